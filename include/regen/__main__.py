@@ -1,0 +1,5 @@
+import sys
+
+from regen.cli import main
+
+sys.exit(main())

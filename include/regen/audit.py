@@ -1,0 +1,314 @@
+"""The loss-mask audit: every sample checked as training will see it, and a verdict.
+
+It streams the dataset's Parquet shards in batches, renders each sample with the model's chat
+template and the run's ``enable_thinking``, counts the loss tokens as SpecForge does
+(:mod:`regen.chat`), and records findings per sample. The report directory gets
+``summary.json``, ``samples.parquet`` (one row per sample, to filter the data by) and a
+self-contained ``report.html`` with histograms.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from regen.chat import QWEN, ChatFormat, load_tokenizer, loss_token_counts, render, training_messages
+
+log = logging.getLogger("regen.audit")
+
+FINDINGS = (
+    "error",               # the prompt failed for good; no sample to train on
+    "duplicate_id",        # the id appears more than once
+    "degenerate",          # loss mask under min_loss_tokens, or thinking asked and none came back
+    "missing_reasoning",   # thinking was on and no reasoning came back
+    "truncated",           # finish_reason length
+    "truncated_in_thinking",  # cut off before </think>: no answer at all
+    "empty_answer",        # nothing after the reasoning
+    "think_markers_in_content",  # <think> or </think> leaked into the answer
+)
+
+SAMPLE_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("loss_tokens", pa.int64()),
+    ("completion_tokens", pa.int64()),
+    ("findings", pa.list_(pa.string())),
+])
+
+
+@dataclass
+class AuditThresholds:
+    min_loss_tokens: int = 16
+    max_degenerate_fraction: float = 0.01
+
+
+@dataclass
+class AuditSummary:
+    samples: int = 0
+    audited: int = 0  # samples that are not error rows
+    counts: dict[str, int] = field(default_factory=lambda: {f: 0 for f in FINDINGS})
+    loss_tokens: list[int] = field(default_factory=list)
+    completion_tokens: list[int] = field(default_factory=list)
+    thinking_rows: int = 0
+    reasoning_rows: int = 0
+    example: dict[str, Any] | None = None
+
+    def fraction(self, finding: str) -> float:
+        return self.counts[finding] / self.audited if self.audited else 0.0
+
+    @property
+    def degenerate_fraction(self) -> float:
+        return self.fraction("degenerate")
+
+
+def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds, seen_ids: set[str],
+                default_thinking: bool = True, fmt: ChatFormat = QWEN) -> list[dict]:
+    """Findings and loss tokens of each row; ``seen_ids`` carries duplicates across batches."""
+    results: list[dict] = [None] * len(rows)  # type: ignore[list-item]
+    to_render: list[int] = []
+    conversations = []
+    thinking_flags = []
+    for i, row in enumerate(rows):
+        findings: list[str] = []
+        if row["id"] in seen_ids:
+            findings.append("duplicate_id")
+        seen_ids.add(row["id"])
+        results[i] = {"id": row["id"], "loss_tokens": 0,
+                      "completion_tokens": row.get("completion_tokens"), "findings": findings}
+        if row.get("error") is not None:
+            findings.append("error")
+            continue
+        to_render.append(i)
+        conversations.append(training_messages(_messages(row), row.get("reasoning_content"),
+                                               row.get("content")))
+        thinking = row.get("enable_thinking")
+        thinking_flags.append(default_thinking if thinking is None else bool(thinking))
+    # Render per enable_thinking value (a dataset normally has one), each group in one batch.
+    counts: dict[int, int] = {}
+    for flag in (True, False):
+        group = [j for j, f in enumerate(thinking_flags) if f is flag]
+        if not group:
+            continue
+        texts = render(tokenizer, [conversations[j] for j in group], enable_thinking=flag)
+        for j, n in zip(group, loss_token_counts(tokenizer, texts, fmt)):
+            counts[j] = n
+    for j, i in enumerate(to_render):
+        row, result = rows[i], results[i]
+        findings = result["findings"]
+        result["loss_tokens"] = counts[j]
+        reasoning = row.get("reasoning_content")
+        content = row.get("content") or ""
+        thinking = thinking_flags[j]
+        if thinking and not (reasoning or "").strip():
+            findings.append("missing_reasoning")
+        if row.get("finish_reason") == "length":
+            findings.append("truncated")
+            if (fmt.think_start in content and fmt.think_end not in content) or (
+                    (reasoning or "").strip() and not content.strip()):
+                findings.append("truncated_in_thinking")
+        if not content.strip():
+            findings.append("empty_answer")
+        if fmt.think_start in content or fmt.think_end in content:
+            findings.append("think_markers_in_content")
+        if counts[j] < thresholds.min_loss_tokens or "missing_reasoning" in findings:
+            findings.append("degenerate")
+    return results
+
+
+def _messages(row: dict) -> list[dict]:
+    messages = row["messages"]
+    if hasattr(messages, "tolist"):
+        messages = messages.tolist()
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def iter_batches(data_dir: Path, batch_size: int = 512) -> Iterator[list[dict]]:
+    files = sorted(p for p in Path(data_dir).glob("*.parquet") if not p.name.startswith((".", "_")))
+    if not files:
+        raise FileNotFoundError(f"{data_dir}: no Parquet files to audit")
+    dataset = ds.dataset([str(f) for f in files], format="parquet")
+    wanted = [c for c in ("id", "messages", "reasoning_content", "content", "finish_reason",
+                          "completion_tokens", "error", "enable_thinking") if c in dataset.schema.names]
+    missing = {"id", "messages", "content"} - set(wanted)
+    if missing:
+        raise ValueError(f"{data_dir}: the data has no column(s) {sorted(missing)}")
+    for batch in dataset.to_batches(columns=wanted, batch_size=batch_size):
+        yield batch.to_pylist()
+
+
+def fold(summary: AuditSummary, rows: list[dict], results: list[dict]) -> None:
+    for row, result in zip(rows, results):
+        summary.samples += 1
+        for finding in result["findings"]:
+            summary.counts[finding] += 1
+        if "error" in result["findings"]:
+            continue
+        summary.audited += 1
+        summary.loss_tokens.append(result["loss_tokens"])
+        if result["completion_tokens"] is not None:
+            summary.completion_tokens.append(int(result["completion_tokens"]))
+        if row.get("enable_thinking", True) is not False:
+            summary.thinking_rows += 1
+        if (row.get("reasoning_content") or "").strip():
+            summary.reasoning_rows += 1
+        if summary.example is None and "degenerate" in result["findings"]:
+            summary.example = {"id": row["id"], "loss_tokens": result["loss_tokens"],
+                               "reasoning_content": row.get("reasoning_content"),
+                               "content": (row.get("content") or "")[:300],
+                               "findings": result["findings"]}
+
+
+def audit_rows(rows: list[dict], tokenizer_dir: str, thresholds: AuditThresholds,
+               default_thinking: bool = True) -> tuple[AuditSummary, list[dict]]:
+    """Audit rows held in memory (the canary) with the same code as the dataset audit."""
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    results = audit_batch(rows, tokenizer, thresholds, set(), default_thinking)
+    summary = AuditSummary()
+    fold(summary, rows, results)
+    return summary, results
+
+
+@dataclass
+class AuditReport:
+    summary: AuditSummary
+    thresholds: AuditThresholds
+    report_dir: Path
+
+    @property
+    def passed(self) -> bool:
+        return self.summary.audited > 0 and (
+            self.summary.degenerate_fraction <= self.thresholds.max_degenerate_fraction)
+
+    def verdict(self) -> str:
+        return "PASS" if self.passed else "FAIL"
+
+    def to_json(self) -> dict:
+        s = self.summary
+        return {
+            "verdict": self.verdict(),
+            "samples": s.samples,
+            "audited": s.audited,
+            "degenerate_fraction": round(s.degenerate_fraction, 6),
+            "thresholds": {"min_loss_tokens": self.thresholds.min_loss_tokens,
+                           "max_degenerate_fraction": self.thresholds.max_degenerate_fraction},
+            "counts": s.counts,
+            "fractions": {f: round(s.fraction(f), 6) for f in FINDINGS},
+            "loss_tokens": _stats(s.loss_tokens),
+            "completion_tokens": _stats(s.completion_tokens),
+            "thinking_rows": s.thinking_rows,
+            "reasoning_rows": s.reasoning_rows,
+            "example_degenerate": s.example,
+        }
+
+    def lines(self) -> list[str]:
+        """The five-line summary for a task log or a terminal."""
+        s = self.summary
+        loss, comp = _stats(s.loss_tokens), _stats(s.completion_tokens)
+        top = sorted(((n, f) for f, n in s.counts.items() if n and f != "degenerate"), reverse=True)
+        return [
+            f"audit {self.verdict()}: {s.counts['degenerate']:,} of {s.audited:,} samples degenerate "
+            f"(degenerate fraction {s.degenerate_fraction:.4f}, limit "
+            f"{self.thresholds.max_degenerate_fraction:.4f})",
+            f"loss tokens: median {loss['median']}, p5 {loss['p5']}, p95 {loss['p95']} "
+            f"(min_loss_tokens {self.thresholds.min_loss_tokens}); completion tokens median "
+            f"{comp['median']}, max {comp['max']}",
+            "findings: " + (", ".join(f"{f} {n:,}" for n, f in top) if top else "none"),
+            f"reasoning present on {s.reasoning_rows:,} of {s.thinking_rows:,} samples that asked "
+            f"for thinking; {s.counts['error']:,} error rows, {s.counts['duplicate_id']:,} duplicate ids",
+            f"report: {self.report_dir / 'report.html'}",
+        ]
+
+
+def _stats(values: list[int]) -> dict[str, Any]:
+    if not values:
+        return {"count": 0, "min": None, "p5": None, "median": None, "mean": None, "p95": None,
+                "max": None}
+    arr = np.asarray(values)
+    return {"count": int(arr.size), "min": int(arr.min()), "p5": int(np.percentile(arr, 5)),
+            "median": int(np.median(arr)), "mean": round(float(arr.mean()), 1),
+            "p95": int(np.percentile(arr, 95)), "max": int(arr.max())}
+
+
+def audit_dataset(data_dir: str | Path, tokenizer_dir: str | Path, report_dir: str | Path,
+                  thresholds: AuditThresholds | None = None, default_thinking: bool = True,
+                  batch_size: int = 512) -> AuditReport:
+    thresholds = thresholds or AuditThresholds()
+    report_dir = Path(report_dir)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    summary = AuditSummary()
+    seen: set[str] = set()
+    samples_tmp = report_dir / ".samples.parquet.tmp"
+    with pq.ParquetWriter(samples_tmp, SAMPLE_SCHEMA, compression="zstd") as writer:
+        for rows in iter_batches(Path(data_dir), batch_size):
+            results = audit_batch(rows, tokenizer, thresholds, seen, default_thinking)
+            fold(summary, rows, results)
+            writer.write_table(pa.Table.from_pylist(results, schema=SAMPLE_SCHEMA))
+            if summary.samples % (batch_size * 20) < len(rows):
+                log.info("audited %s samples", f"{summary.samples:,}")
+    samples_tmp.replace(report_dir / "samples.parquet")
+    report = AuditReport(summary, thresholds, report_dir)
+    (report_dir / "summary.json").write_text(json.dumps(report.to_json(), indent=1))
+    (report_dir / "report.html").write_text(render_html(report))
+    return report
+
+
+def _histogram_png(values: Iterable[int], title: str, xlabel: str, threshold: int | None = None) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arr = np.asarray(list(values))
+    fig, ax = plt.subplots(figsize=(6.4, 3.2), dpi=100)
+    if arr.size:
+        bins = np.unique(np.geomspace(max(arr.min(), 1), max(arr.max(), 2), 40).astype(int))
+        ax.hist(np.clip(arr, 1, None), bins=bins, color="#4472c4")
+        ax.set_xscale("log")
+    if threshold is not None:
+        ax.axvline(threshold, color="#c00000", linestyle="--", label=f"min_loss_tokens {threshold}")
+        ax.legend()
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("samples")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def render_html(report: AuditReport) -> str:
+    from html import escape
+
+    data = report.to_json()
+    s = report.summary
+    loss_png = _histogram_png(s.loss_tokens, "Loss tokens per sample", "loss tokens (log)",
+                              report.thresholds.min_loss_tokens)
+    comp_png = _histogram_png(s.completion_tokens, "Completion tokens per sample",
+                              "completion tokens (log)")
+    rows = "".join(f"<tr><td>{f}</td><td>{data['counts'][f]:,}</td>"
+                   f"<td>{data['fractions'][f]:.2%}</td></tr>" for f in FINDINGS)
+    colour = "#2e7d32" if report.passed else "#c62828"
+    example = ""
+    if s.example:
+        example = f"<h2>A degenerate sample</h2><pre>{escape(json.dumps(s.example, indent=1))}</pre>"
+    lines = "".join(f"<li>{escape(line)}</li>" for line in report.lines())
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>regen audit</title>
+<style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}td,th{{padding:.2em .8em;text-align:right}}
+td:first-child{{text-align:left}}.verdict{{color:#fff;background:{colour};padding:.3em .8em}}</style></head>
+<body><h1>regen audit <span class="verdict" id="verdict">{report.verdict()}</span></h1>
+<ul>{lines}</ul>
+<h2>Findings</h2><table><tr><th>finding</th><th>samples</th><th>fraction</th></tr>{rows}</table>
+<h2>Distributions</h2><img alt="loss tokens histogram" src="data:image/png;base64,{loss_png}">
+<img alt="completion tokens histogram" src="data:image/png;base64,{comp_png}">
+{example}</body></html>"""

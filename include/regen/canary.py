@@ -1,0 +1,101 @@
+"""The canary: a handful of real requests through the full path before the shards start.
+
+It uses the generation client and the audit code of the real run, so what it passes the run
+will pass too. It fails fast, naming the reason and showing one offending sample, when the servers
+do not think, answer nothing, or get cut off; and it estimates how long the whole run will take.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from regen.audit import AuditThresholds, audit_rows
+from regen.config import RunConfig
+from regen.generate import GenerationSettings, generate_rows
+from regen.progress import RunProgress, format_duration
+from regen.prompts import Prompt, read_prompts
+
+log = logging.getLogger("regen.canary")
+
+# More than this fraction of canary samples with a finding fails the run: a real thinking model
+# may skip reasoning on the odd trivial prompt, never on a quarter of them.
+MAX_BAD_FRACTION = 0.25
+
+
+class CanaryFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class CanaryResult:
+    rows: list[dict]
+    problems: list[str] = field(default_factory=list)
+    estimate: dict = field(default_factory=dict)
+
+
+def first_prompts(path: str | Path, count: int) -> tuple[list[Prompt], int]:
+    """The first ``count`` readable prompts, and how many prompts the file holds."""
+    chosen: list[Prompt] = []
+    total = 0
+    for item in read_prompts(path):
+        if isinstance(item, Prompt):
+            total += 1
+            if len(chosen) < count:
+                chosen.append(item)
+    return chosen, total
+
+
+def estimate_run(rows: list[dict], total_prompts: int, slots: int) -> dict:
+    """Tokens per sample seen x prompts, over the decode rate of every slot of every server."""
+    good = [r for r in rows if r["error"] is None and r.get("completion_tokens")]
+    if not good:
+        return {}
+    tokens = sum(r["completion_tokens"] for r in good) / len(good)
+    per_request = sum(r["completion_tokens"] / max(r["latency_s"], 1e-3) for r in good) / len(good)
+    rate = per_request * slots
+    seconds = total_prompts * tokens / rate if rate > 0 else None
+    return {"prompts": total_prompts, "tokens_per_sample": round(tokens, 1),
+            "tokens_per_s": round(rate, 1), "eta_s": round(seconds) if seconds else None,
+            "text": f"{total_prompts:,} prompts, about {format_duration(seconds)} at "
+                    f"{rate:,.0f} tok/s"}
+
+
+def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]], slots: int) -> CanaryResult:
+    prompts, total = first_prompts(cfg.prompts, cfg.canary_size)
+    if not prompts:
+        raise CanaryFailed(f"prompts {cfg.prompts}: no readable prompt for the canary")
+    settings = GenerationSettings.from_config(cfg)
+    settings.max_attempts = min(settings.max_attempts, 3)
+    rows = generate_rows(prompts, endpoints, settings)
+    thresholds = AuditThresholds(cfg.min_loss_tokens, cfg.max_degenerate_fraction)
+    summary, results = audit_rows(rows, cfg.model_path, thresholds, cfg.enable_thinking)
+    result = CanaryResult(rows)
+    n = len(rows)
+
+    def check(finding: str, message: str, limit: float = MAX_BAD_FRACTION) -> None:
+        bad = [(row, res) for row, res in zip(rows, results) if finding in res["findings"]]
+        if len(bad) / n > limit:
+            row, res = bad[0]
+            sample = {"id": row["id"], "loss_tokens": res["loss_tokens"],
+                      "finish_reason": row["finish_reason"], "error": row["error"],
+                      "reasoning_content": (row["reasoning_content"] or "")[:200] or None,
+                      "content": (row["content"] or "")[:200]}
+            result.problems.append(f"canary: {len(bad)} of {n} {message}; e.g. {json.dumps(sample)}")
+
+    check("error", "requests failed", limit=0.0)
+    if cfg.enable_thinking:
+        check("missing_reasoning", "answers came back without reasoning while enable_thinking is "
+              "on (is the server's reasoning parser set, or thinking disabled on the server?)")
+    check("empty_answer", "answers are empty")
+    check("degenerate", f"samples have a loss mask under min_loss_tokens {cfg.min_loss_tokens}")
+    check("truncated", f"answers hit max_tokens {cfg.max_tokens}", limit=0.5)
+    result.estimate = estimate_run(rows, total, slots)
+    RunProgress(cfg.output).write_section("canary", {
+        "passed": not result.problems, "problems": result.problems, "samples": n,
+        "estimate": result.estimate,
+        "loss_tokens": sorted(r["loss_tokens"] for r in results),
+    })
+    return result

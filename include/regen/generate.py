@@ -1,0 +1,706 @@
+"""Sharded, resumable, exactly-once generation over every server.
+
+A shard's prompts go to the servers through one async client that keeps at most each server's
+limit in flight and sends each request to the server with the fewest outstanding, so a slow server
+gets less work. Each finished row is appended to the shard's journal and flushed at once; a rerun
+(after a crash, a SIGKILL, an Airflow retry or a clear) reads the journal and sends only the ids
+that have no row. When the shard completes, its Parquet file is written outside ``data/`` and
+renamed into it, so ``data/`` never holds half a file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import httpx
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from regen.progress import RunProgress, format_duration
+from regen.prompts import Prompt, PromptError, read_shard
+
+log = logging.getLogger("regen.generate")
+
+ROW_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("reasoning_content", pa.string()),
+    ("content", pa.string()),
+    ("finish_reason", pa.string()),
+    ("prompt_tokens", pa.int64()),
+    ("completion_tokens", pa.int64()),
+    ("error", pa.string()),
+    ("enable_thinking", pa.bool_()),
+    ("model", pa.string()),
+    ("server", pa.string()),
+    ("attempts", pa.int32()),
+    ("latency_s", pa.float64()),
+    ("settings_hash", pa.string()),
+])
+DEFAULT_CONCURRENCY = 32
+
+
+class ShardFailed(RuntimeError):
+    """The shard cannot finish now; what it finished is kept and a rerun resumes from it."""
+
+
+@dataclass
+class GenerationSettings:
+    max_tokens: int = 4096
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int | None = 20
+    seed: int | None = None
+    enable_thinking: bool = True
+    concurrency_per_server: int | None = None
+    request_timeout_s: float = 1800.0
+    max_attempts: int = 6
+    max_error_fraction: float = 0.05
+    retry_backoff_s: float = 0.5
+    retry_backoff_max_s: float = 30.0
+    failures_before_down: int = 3
+    probe_interval_s: float = 2.0
+    all_down_timeout_s: float = 60.0
+    progress_interval_s: float = 5.0
+
+    @classmethod
+    def from_config(cls, cfg) -> "GenerationSettings":
+        return cls(
+            max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+            top_k=cfg.top_k, seed=cfg.seed, enable_thinking=cfg.enable_thinking,
+            concurrency_per_server=cfg.concurrency_per_server or cfg.max_running_requests,
+            request_timeout_s=cfg.request_timeout_s, max_attempts=cfg.max_attempts,
+            max_error_fraction=cfg.max_error_fraction,
+        )
+
+    def settings_hash(self, model: str | None) -> str:
+        """What decides whether an existing row can stand for a new run's row."""
+        key = {"model": model, "max_tokens": self.max_tokens, "temperature": self.temperature,
+               "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+               "enable_thinking": self.enable_thinking}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Endpoint:
+    url: str
+    api_key: str | None = None
+    limit: int = DEFAULT_CONCURRENCY
+    model: str | None = None
+    in_flight: int = 0
+    healthy: bool = True
+    consecutive_failures: int = 0
+    done: int = 0
+    failed: int = 0
+    tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+class AllServersDown(ShardFailed):
+    pass
+
+
+class ServerPool:
+    """Least-outstanding dispatch with per-server limits, and health probing of dropped servers."""
+
+    def __init__(self, endpoints: list[Endpoint], client: httpx.AsyncClient,
+                 settings: GenerationSettings):
+        self.endpoints = endpoints
+        self.client = client
+        self.settings = settings
+        self.cond = asyncio.Condition()
+        self._down_since: float | None = None
+        self._probes: set[asyncio.Task] = set()
+
+    @property
+    def capacity(self) -> int:
+        return sum(e.limit for e in self.endpoints)
+
+    async def acquire(self, avoid: Endpoint | None = None) -> Endpoint:
+        async with self.cond:
+            while True:
+                healthy = [e for e in self.endpoints if e.healthy]
+                free = [e for e in healthy if e.in_flight < e.limit]
+                if free:
+                    self._down_since = None
+                    pick = min(free, key=lambda e: (e is avoid and len(healthy) > 1,
+                                                    e.in_flight / e.limit))
+                    pick.in_flight += 1
+                    return pick
+                if not healthy:
+                    now = time.monotonic()
+                    self._down_since = self._down_since or now
+                    if now - self._down_since > self.settings.all_down_timeout_s:
+                        raise AllServersDown(
+                            f"every server is down ({', '.join(e.url for e in self.endpoints)}) "
+                            f"for {self.settings.all_down_timeout_s:.0f} s; finished rows are kept: "
+                            f"restart the servers (clear start_servers) and rerun the shard"
+                        )
+                try:
+                    await asyncio.wait_for(self.cond.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def release(self, endpoint: Endpoint) -> None:
+        async with self.cond:
+            endpoint.in_flight -= 1
+            self.cond.notify_all()
+
+    def record_success(self, endpoint: Endpoint) -> None:
+        endpoint.consecutive_failures = 0
+
+    def record_failure(self, endpoint: Endpoint, reason: str, fatal: bool = False) -> None:
+        endpoint.consecutive_failures += 1
+        if endpoint.healthy and (fatal or endpoint.consecutive_failures >= self.settings.failures_before_down):
+            endpoint.healthy = False
+            log.warning("server %s out of rotation (%s); probing until it is back", endpoint.url, reason)
+            task = asyncio.create_task(self._probe(endpoint))
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, endpoint: Endpoint) -> None:
+        while True:
+            await asyncio.sleep(self.settings.probe_interval_s)
+            try:
+                response = await self.client.get(f"{endpoint.url}/health", timeout=5.0)
+            except httpx.HTTPError:
+                continue
+            if response.status_code == 200:
+                async with self.cond:
+                    endpoint.healthy = True
+                    endpoint.consecutive_failures = 0
+                    self.cond.notify_all()
+                log.info("server %s is back in rotation", endpoint.url)
+                return
+
+    def close(self) -> None:
+        for task in self._probes:
+            task.cancel()
+
+
+async def discover(client: httpx.AsyncClient, url: str, api_key: str | None,
+                   settings: GenerationSettings) -> Endpoint:
+    """The served model name and how many requests the server can run at once."""
+    endpoint = Endpoint(url=url.rstrip("/"), api_key=api_key)
+    try:
+        models = await client.get(f"{endpoint.url}/v1/models", headers=endpoint.headers, timeout=10)
+        models.raise_for_status()
+        endpoint.model = models.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        endpoint.healthy = False
+        log.warning("server %s not answering /v1/models (%s)", url, exc)
+    limit = settings.concurrency_per_server
+    if limit is None:
+        limit = await _server_limit(client, endpoint)
+    endpoint.limit = max(1, limit or DEFAULT_CONCURRENCY)
+    return endpoint
+
+
+async def _server_limit(client: httpx.AsyncClient, endpoint: Endpoint) -> int | None:
+    """From /server_info; the effective per-DP value in internal_states wins (lower on hybrid
+    Mamba models than the CLI value: SGLang issue 38846)."""
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            response = await client.get(f"{endpoint.url}{path}", headers=endpoint.headers, timeout=10)
+            if response.status_code != 200:
+                continue
+            info = response.json()
+        except (httpx.HTTPError, ValueError):
+            continue
+        values = [s.get("max_running_requests") for s in info.get("internal_states") or []
+                  if isinstance(s, dict)]
+        values = [v for v in values if isinstance(v, int) and v > 0]
+        if values:
+            return min(values)
+        if isinstance(info.get("max_running_requests"), int):
+            return info["max_running_requests"]
+    return None
+
+
+def _is_retryable_status(status: int) -> bool:
+    return status in (408, 429) or status >= 500
+
+
+class Generator:
+    """Sends prompts through a ServerPool and hands each finished row to ``sink``."""
+
+    def __init__(self, pool: ServerPool, settings: GenerationSettings,
+                 sink: Callable[[dict], None]):
+        self.pool = pool
+        self.settings = settings
+        self.sink = sink
+        self.done = 0
+        self.failed = 0
+        self.tokens = 0
+        self.recent: deque[tuple[float, int]] = deque()
+        self.permanent_failures = 0
+
+    def payload(self, endpoint: Endpoint, prompt: Prompt) -> dict[str, Any]:
+        s = self.settings
+        body: dict[str, Any] = {
+            "model": endpoint.model or "default",
+            "messages": prompt.messages,
+            "max_tokens": s.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "chat_template_kwargs": {"enable_thinking": s.enable_thinking},
+            "separate_reasoning": True,
+            "stream": False,
+        }
+        if s.top_k is not None:
+            body["top_k"] = s.top_k
+        if s.seed is not None:
+            body["seed"] = s.seed
+        return body
+
+    async def run_one(self, prompt: Prompt) -> dict:
+        s = self.settings
+        last_error = "not attempted"
+        endpoint: Endpoint | None = None
+        started = time.monotonic()
+        for attempt in range(1, s.max_attempts + 1):
+            endpoint = await self.pool.acquire(avoid=endpoint)
+            retry = True
+            try:
+                response = await self.pool.client.post(
+                    f"{endpoint.url}/v1/chat/completions", json=self.payload(endpoint, prompt),
+                    headers=endpoint.headers,
+                )
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                last_error = f"{type(exc).__name__}: {exc or 'connection failed'}"
+                self.pool.record_failure(endpoint, last_error, fatal=True)
+            except httpx.TransportError as exc:
+                last_error = f"{type(exc).__name__}: {exc or 'transport error'}"
+                self.pool.record_failure(endpoint, last_error)
+            else:
+                if response.status_code == 200:
+                    try:
+                        row = self.parse(prompt, endpoint, response.json(), attempt, started)
+                    except (ValueError, KeyError, IndexError, TypeError) as exc:
+                        last_error = f"unreadable response: {exc}"
+                    else:
+                        self.pool.record_success(endpoint)
+                        endpoint.done += 1
+                        endpoint.tokens += row["completion_tokens"] or 0
+                        return row
+                elif _is_retryable_status(response.status_code):
+                    last_error = f"HTTP {response.status_code}: {_error_text(response)}"
+                    self.pool.record_failure(endpoint, last_error)
+                else:
+                    last_error = f"HTTP {response.status_code}: {_error_text(response)}"
+                    retry = False
+            finally:
+                await self.pool.release(endpoint)
+            if not retry:
+                break
+            if attempt < s.max_attempts:
+                cap = min(s.retry_backoff_max_s, s.retry_backoff_s * 2 ** (attempt - 1))
+                await asyncio.sleep(random.uniform(0, cap))
+        endpoint.failed += 1
+        return self.error_row(prompt, endpoint, last_error, attempt, started, retryable=retry)
+
+    def parse(self, prompt: Prompt, endpoint: Endpoint, body: dict, attempt: int,
+              started: float) -> dict:
+        choice = body["choices"][0]
+        message = choice["message"]
+        # SGLang's reasoning parser fills `reasoning_content`; vLLM's fills `reasoning`.
+        reasoning = message.get("reasoning_content")
+        if reasoning is None:
+            reasoning = message.get("reasoning")
+        usage = body.get("usage") or {}
+        return {
+            "id": prompt.id,
+            "messages": prompt.messages,
+            "reasoning_content": reasoning,
+            "content": message.get("content") or "",
+            "finish_reason": choice.get("finish_reason"),
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "completion_tokens": usage.get("completion_tokens"),
+            "error": None,
+            "enable_thinking": self.settings.enable_thinking,
+            "model": body.get("model") or endpoint.model,
+            "server": endpoint.url,
+            "attempts": attempt,
+            "latency_s": round(time.monotonic() - started, 3),
+            "settings_hash": self.settings.settings_hash(endpoint.model),
+        }
+
+    def error_row(self, prompt: Prompt, endpoint: Endpoint, error: str, attempts: int,
+                  started: float, retryable: bool) -> dict:
+        return {
+            "id": prompt.id, "messages": prompt.messages, "reasoning_content": None,
+            "content": None, "finish_reason": None, "prompt_tokens": None,
+            "completion_tokens": None, "error": error,
+            "enable_thinking": self.settings.enable_thinking, "model": endpoint.model,
+            "server": endpoint.url, "attempts": attempts,
+            "latency_s": round(time.monotonic() - started, 3),
+            "settings_hash": self.settings.settings_hash(endpoint.model),
+            "retryable": retryable,
+        }
+
+    async def worker(self, queue: asyncio.Queue) -> None:
+        while True:
+            prompt = await queue.get()
+            if prompt is None:
+                return
+            row = await self.run_one(prompt)
+            if row["error"] is None:
+                self.done += 1
+                self.tokens += row["completion_tokens"] or 0
+                self.recent.append((time.monotonic(), row["completion_tokens"] or 0))
+            else:
+                self.failed += 1
+            self.sink(row)
+
+    def rates(self, window: float = 60.0) -> tuple[float, float]:
+        """(rows/s, output tokens/s) over the last ``window`` seconds."""
+        now = time.monotonic()
+        while self.recent and self.recent[0][0] < now - window:
+            self.recent.popleft()
+        if not self.recent:
+            return 0.0, 0.0
+        span = max(now - self.recent[0][0], 1.0)
+        return len(self.recent) / span, sum(n for _, n in self.recent) / span
+
+    async def run(self, prompts: Iterable[Prompt]) -> None:
+        capacity = max(1, self.pool.capacity)
+        queue: asyncio.Queue = asyncio.Queue(maxsize=capacity * 2)
+        workers = [asyncio.create_task(self.worker(queue)) for _ in range(capacity)]
+        feeder = asyncio.create_task(_feed(queue, prompts, len(workers)))
+        tasks = [*workers, feeder]
+        try:
+            pending = set(tasks)
+            while pending:
+                finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+                for task in finished:
+                    if task.exception() is not None:
+                        raise task.exception()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _feed(queue: asyncio.Queue, prompts: Iterable[Prompt], workers: int) -> None:
+    for count, prompt in enumerate(prompts):
+        await queue.put(prompt)
+        if count % 256 == 0:
+            await asyncio.sleep(0)
+    for _ in range(workers):
+        await queue.put(None)
+
+
+def _error_text(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+        if isinstance(body, dict):
+            err = body.get("error", body)
+            if isinstance(err, dict):
+                return str(err.get("message") or err)[:300]
+            return str(err)[:300]
+    except ValueError:
+        pass
+    return response.text[:300]
+
+
+# --- the shard ------------------------------------------------------------------------------
+
+def shard_name(shard: int, num_shards: int) -> str:
+    return f"shard-{shard:05d}-of-{num_shards:05d}"
+
+
+class Journal:
+    """Append-only JSONL of finished rows; the last row of an id wins."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._repair()
+        self._fh = open(path, "ab")
+
+    def _repair(self) -> None:
+        """Drop a line cut short by a kill, so the next append starts on a fresh line."""
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return
+        with open(self.path, "rb+") as fh:
+            fh.seek(-1, os.SEEK_END)
+            if fh.read(1) == b"\n":
+                return
+            fh.seek(0)
+            data = fh.read()
+            fh.truncate(data.rfind(b"\n") + 1)
+
+    def append(self, row: dict) -> None:
+        self._fh.write(json.dumps(row, ensure_ascii=False).encode() + b"\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+    @staticmethod
+    def rows(path: Path) -> Iterator[dict]:
+        if not path.exists():
+            return
+        with open(path, "rb") as fh:
+            for raw in fh:
+                try:
+                    yield json.loads(raw)
+                except json.JSONDecodeError:
+                    continue
+
+
+def settled_ids(journal_path: Path) -> set[str]:
+    """Ids that need no new request: a good row, or an error no retry can fix (a 4xx)."""
+    settled: set[str] = set()
+    for row in Journal.rows(journal_path):
+        if row.get("error") is None or not row.get("retryable", False):
+            settled.add(row["id"])
+        else:
+            settled.discard(row["id"])
+    return settled
+
+
+def write_parquet_from_journal(journal_path: Path, final_path: Path, batch_rows: int = 1000) -> int:
+    """Last row per id, streamed in batches; written beside the journal, renamed into place."""
+    last_line: dict[str, int] = {}
+    for lineno, row in enumerate(Journal.rows(journal_path)):
+        last_line[row["id"]] = lineno
+    keep = set(last_line.values())
+    tmp = journal_path.with_suffix(".parquet.tmp")
+    count = 0
+    try:
+        with pq.ParquetWriter(tmp, ROW_SCHEMA, compression="zstd") as writer:
+            batch: list[dict] = []
+            for lineno, row in enumerate(Journal.rows(journal_path)):
+                if lineno not in keep:
+                    continue
+                row.pop("retryable", None)
+                batch.append(row)
+                if len(batch) >= batch_rows:
+                    writer.write_table(pa.Table.from_pylist(batch, schema=ROW_SCHEMA))
+                    count += len(batch)
+                    batch = []
+            if batch:
+                writer.write_table(pa.Table.from_pylist(batch, schema=ROW_SCHEMA))
+                count += len(batch)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        final_path.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, final_path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return count
+
+
+@dataclass
+class ShardResult:
+    shard: int
+    num_shards: int
+    total: int
+    done: int
+    failed: int
+    skipped: int
+    bad_records: int
+    seconds: float
+    tokens: int
+    path: Path | None
+
+    def summary(self) -> str:
+        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        return (f"shard {self.shard}/{self.num_shards}: {self.done + self.skipped:,}/{self.total:,} rows "
+                f"({self.skipped:,} from earlier runs), {self.failed:,} failed, "
+                f"{self.bad_records:,} unreadable records, {rate:,.0f} tok/s, "
+                f"{format_duration(self.seconds)}")
+
+
+def generate_shard(prompts_path: str | Path, output: str | Path, endpoints: list[tuple[str, str | None]],
+                   shard: int = 0, num_shards: int = 1,
+                   settings: GenerationSettings | None = None,
+                   on_row: Callable[[dict], None] | None = None) -> ShardResult:
+    return asyncio.run(_generate_shard(Path(prompts_path), Path(output), endpoints, shard,
+                                       num_shards, settings or GenerationSettings(), on_row))
+
+
+async def _generate_shard(prompts_path: Path, output: Path, endpoints: list[tuple[str, str | None]],
+                          shard: int, num_shards: int, settings: GenerationSettings,
+                          on_row: Callable[[dict], None] | None) -> ShardResult:
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} is not in 0..{num_shards - 1}")
+    started = time.monotonic()
+    name = shard_name(shard, num_shards)
+    final_path = output / "data" / f"{name}.parquet"
+    work = output / "work"
+    journal_path = work / "journal" / f"{name}.jsonl"
+    errors_path = work / "errors" / f"{name}.txt"
+    progress = RunProgress(output)
+
+    settled = settled_ids(journal_path)
+    total = 0
+    bad: list[PromptError] = []
+    for item in read_shard(prompts_path, shard, num_shards):
+        if isinstance(item, PromptError):
+            bad.append(item)
+        else:
+            total += 1
+    if bad:
+        errors_path.parent.mkdir(parents=True, exist_ok=True)
+        errors_path.write_text("".join(f"{e}\n" for e in bad))
+        for err in bad[:5]:
+            log.warning("unreadable prompt record: %s", err)
+        log.warning("%d unreadable record(s) listed in %s", len(bad), errors_path)
+    if final_path.exists() and not journal_path.exists():
+        log.info("%s already complete: %s", name, final_path)
+        return ShardResult(shard, num_shards, total, 0, 0, total, len(bad), 0.0, 0, final_path)
+
+    skipped = len(settled)
+    log.info("%s: %d prompts, %d already have a row, %d to send", name, total, skipped,
+             total - skipped)
+    journal = Journal(journal_path)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(connect=10.0, read=settings.request_timeout_s, write=60.0, pool=None)
+    try:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            eps = [await discover(client, url, key, settings) for url, key in endpoints]
+            if not any(e.healthy for e in eps):
+                raise AllServersDown(
+                    f"no server answers ({', '.join(e.url for e in eps)}): start them first "
+                    f"(clear start_servers too, or run `regen serve`) and rerun the shard"
+                )
+            pool = ServerPool(eps, client, settings)
+
+            def sink(row: dict) -> None:
+                try:
+                    journal.append(row)
+                except OSError as exc:
+                    raise ShardFailed(f"{name}: cannot write {journal_path}: {exc.strerror or exc}") from exc
+                if on_row is not None:
+                    on_row(row)
+                if row["error"] is not None:
+                    check()
+
+            gen = Generator(pool, settings, sink)
+            remaining = total - skipped
+
+            def check() -> None:
+                bound = settings.max_error_fraction * max(total, 1)
+                permanent = gen.failed
+                if permanent > bound and permanent >= 1:
+                    raise ShardFailed(
+                        f"{name}: {permanent} of {total} prompts failed (more than "
+                        f"max_error_fraction {settings.max_error_fraction:.0%}); last errors in "
+                        f"{journal_path}; finished rows are kept"
+                    )
+
+            def report(state: str = "running") -> dict:
+                rows_s, tok_s = gen.rates()
+                left = remaining - gen.done - gen.failed
+                data = {
+                    "state": state, "shard": shard, "num_shards": num_shards,
+                    "total": total, "done": skipped + gen.done, "failed": gen.failed,
+                    "rows_per_s": round(rows_s, 3), "tokens_per_s": round(tok_s, 1),
+                    "eta_s": round(left / rows_s) if rows_s > 0 else None,
+                    "elapsed_s": round(time.monotonic() - started, 1),
+                    "servers": {e.url: {"done": e.done, "failed": e.failed, "in_flight": e.in_flight,
+                                        "healthy": e.healthy, "limit": e.limit, "metrics": e.metrics}
+                                for e in eps},
+                }
+                progress.write_shard(shard, data)
+                return data
+
+            async def reporter() -> None:
+                while True:
+                    await asyncio.sleep(settings.progress_interval_s)
+                    await asyncio.gather(*(_scrape_metrics(client, e) for e in eps))
+                    data = report()
+                    log.info("shard %d/%d: %s/%s done, %d failed, %s tok/s, ETA %s", shard, num_shards,
+                             f"{data['done']:,}", f"{total:,}", data["failed"],
+                             f"{data['tokens_per_s']:,.0f}", format_duration(data["eta_s"]))
+
+            report()
+            reporter_task = asyncio.create_task(reporter())
+            pending = (p for p in read_shard(prompts_path, shard, num_shards)
+                       if isinstance(p, Prompt) and p.id not in settled)
+            try:
+                await gen.run(pending)
+            except BaseException:
+                report("failed")
+                raise
+            finally:
+                reporter_task.cancel()
+                pool.close()
+    finally:
+        journal.close()
+    try:
+        write_parquet_from_journal(journal_path, final_path)
+    except OSError as exc:
+        raise ShardFailed(f"{name}: cannot write {final_path.name}: {exc.strerror or exc}; "
+                          f"data/ is unchanged and the journal is kept") from exc
+    journal_path.unlink()
+    elapsed = time.monotonic() - started
+    result = ShardResult(shard, num_shards, total, gen.done, gen.failed, skipped, len(bad), elapsed,
+                         gen.tokens, final_path)
+    data = report("done")
+    data.update(tokens_per_s=round(gen.tokens / elapsed, 1) if elapsed > 0 else 0.0, eta_s=0)
+    progress.write_shard(shard, data)
+    log.info(result.summary())
+    return result
+
+
+async def _scrape_metrics(client: httpx.AsyncClient, endpoint: Endpoint) -> None:
+    """The few SGLang/vLLM gauges worth a glance: running, queued, throughput, accept length."""
+    wanted = {"num_running_reqs": "running", "num_queue_reqs": "queued",
+              "gen_throughput": "gen_throughput", "spec_accept_length": "spec_accept_length",
+              "num_requests_running": "running", "num_requests_waiting": "queued"}
+    try:
+        response = await client.get(f"{endpoint.url}/metrics", timeout=3.0)
+    except httpx.HTTPError:
+        return
+    if response.status_code != 200:
+        return
+    metrics: dict[str, float] = {}
+    for line in response.text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, _, value = line.rpartition(" ")
+        base = name.split("{", 1)[0].split(":", 1)[-1]
+        if base in wanted:
+            try:
+                metrics[wanted[base]] = float(value)
+            except ValueError:
+                continue
+    endpoint.metrics = metrics
+
+
+def generate_rows(prompts: list[Prompt], endpoints: list[tuple[str, str | None]],
+                  settings: GenerationSettings) -> list[dict]:
+    """Generate a handful of prompts in memory (the canary), through the same client."""
+    async def run() -> list[dict]:
+        rows: list[dict] = []
+        timeout = httpx.Timeout(connect=10.0, read=settings.request_timeout_s, write=60.0, pool=None)
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            eps = [await discover(client, url, key, settings) for url, key in endpoints]
+            if not any(e.healthy for e in eps):
+                raise AllServersDown(f"no server answers ({', '.join(e.url for e in eps)})")
+            pool = ServerPool(eps, client, settings)
+            try:
+                await Generator(pool, settings, rows.append).run(prompts)
+            finally:
+                pool.close()
+        return rows
+
+    return asyncio.run(run())

@@ -1,0 +1,268 @@
+"""Preflight: every check that needs no GPU, all of them, before any GPU time is spent.
+
+Each check adds problems instead of raising, so a failed preflight lists everything wrong at once,
+one line each. The code check compiles every file that will run in a *separate* interpreter (the
+one that will run it) and then imports the entry points there, so a SyntaxError such as the one
+that idled seven B200s (``name 'MAX_OUTPUT_TOKENS' is used prior to global declaration``) is
+reported as file:line before a single server starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from regen.config import RunConfig
+from regen.paths import DAGS_DIR, PACKAGE_DIR
+
+log = logging.getLogger("regen.preflight")
+
+# The modules each stage imports; importing them in a fresh interpreter proves they load.
+ENTRY_POINTS = ("regen.cli", "regen.pipeline", "regen.stage", "regen.servers", "regen.sim",
+                "regen.canary", "regen.generate", "regen.audit", "regen.chat")
+
+# Runs in the target interpreter: compiles each file, prints one JSON problem per failure.
+_COMPILE_SCRIPT = r"""
+import json, sys
+for path in sys.argv[1:]:
+    try:
+        with open(path, "rb") as fh:
+            compile(fh.read(), path, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        print(json.dumps({"file": exc.filename or path, "line": exc.lineno, "msg": f"{type(exc).__name__}: {exc.msg}"}))
+    except (OSError, ValueError) as exc:
+        print(json.dumps({"file": path, "line": 0, "msg": f"{type(exc).__name__}: {exc}"}))
+"""
+
+SUPPORTED_PARSERS = {
+    "sglang": {"qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "glm45", "kimi", "kimi_k2",
+               "gpt-oss", "step3", "minimax", "minimax-append-think", "nano_v3", "interns1"},
+    "vllm": {"qwen3", "deepseek_r1", "deepseek_v3", "glm45", "granite", "hunyuan_a13b", "mistral",
+             "step3", "gpt_oss", "minimax_m2", "minimax_m2_append_think", "olmo3", "seed_oss"},
+    "sim": {"qwen3", "qwen3-thinking", "deepseek-r1"},
+}
+# SGLang launch options with no vLLM equivalent: a set value would be silently ignored.
+VLLM_IGNORES = ("speculative_eagle_topk", "speculative_num_draft_tokens", "max_mamba_cache_size")
+
+
+class PreflightFailed(RuntimeError):
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__(f"preflight found {len(problems)} problem(s):\n" + "\n".join(problems))
+
+
+@dataclass
+class PreflightReport:
+    problems: list[str] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def code_files(extra: list[str] | None = None) -> list[Path]:
+    files = sorted(PACKAGE_DIR.rglob("*.py"))
+    if DAGS_DIR.exists():
+        files += sorted(DAGS_DIR.rglob("*.py"))
+    return files + [Path(p) for p in extra or []]
+
+
+def check_code(python: str = sys.executable, files: list[Path] | None = None,
+               entry_points: tuple[str, ...] = ENTRY_POINTS) -> list[str]:
+    """Compile, then import, in a fresh ``python``: what the stages will really run."""
+    files = files if files is not None else code_files()
+    try:
+        out = subprocess.run([python, "-c", _COMPILE_SCRIPT, *map(str, files)], capture_output=True,
+                             text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return [f"{python}: cannot run the interpreter: {exc}"]
+    problems = []
+    for line in out.stdout.splitlines():
+        item = json.loads(line)
+        problems.append(f"{item['file']}:{item['line']}: {item['msg']}")
+    if out.returncode != 0:
+        problems.append(f"{python}: compile check crashed: {out.stderr.strip()[-500:]}")
+    if problems:
+        return problems  # imports would only repeat the same errors
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_DIR.parent), env.get("PYTHONPATH", "")])
+    for module in entry_points:
+        res = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True,
+                             timeout=120, env=env)
+        if res.returncode != 0:
+            last = (res.stderr.strip().splitlines() or ["(no output)"])[-1]
+            problems.append(f"import {module} fails in {python}: {last}")
+    return problems
+
+
+def check_prompts(cfg: RunConfig, report: PreflightReport, max_listed: int = 20) -> None:
+    from regen.prompts import Prompt, PromptError, read_prompts
+
+    path = Path(cfg.prompts)
+    if not path.is_file():
+        report.problems.append(f"prompts {path}: file not found")
+        return
+    seen: dict[str, int] = {}
+    bad: list[str] = []
+    duplicates: list[str] = []
+    count, longest_chars, longest = 0, 0, None
+    try:
+        for item in read_prompts(path):
+            if isinstance(item, PromptError):
+                bad.append(str(item))
+                continue
+            count += 1
+            if item.id in seen:
+                duplicates.append(f"{path}:{item.line}: duplicate id {item.id!r} "
+                                  f"(first at line {seen[item.id]})")
+            else:
+                seen[item.id] = item.line
+            chars = sum(len(m["content"]) for m in item.messages)
+            if chars > longest_chars:
+                longest_chars, longest = chars, item
+    except (OSError, ValueError) as exc:
+        report.problems.append(f"prompts {path}: cannot be read: {exc}")
+        return
+    report.info["prompts"] = count
+    report.info["longest_prompt_chars"] = longest_chars
+    report.info["_longest_prompt"] = longest
+    for lines, what in ((bad, "unreadable record"), (duplicates, "duplicate id")):
+        report.problems.extend(lines[:max_listed])
+        if len(lines) > max_listed:
+            report.problems.append(f"prompts {path}: ... and {len(lines) - max_listed} more {what}s")
+    if count == 0 and not bad:
+        report.problems.append(f"prompts {path}: no prompts in the file")
+
+
+def check_model(cfg: RunConfig, report: PreflightReport) -> None:
+    model = Path(cfg.model_path)
+    if not model.is_dir():
+        report.problems.append(f"model_path {model}: directory not found")
+        return
+    if not (model / "config.json").is_file():
+        report.problems.append(f"model_path {model}: no config.json (not a model directory)")
+        return
+    try:
+        model_cfg = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        report.problems.append(f"model_path {model}/config.json: unreadable: {exc}")
+        return
+    report.info["model_bytes"] = sum(f.stat().st_size for f in model.rglob("*") if f.is_file())
+    context = cfg.context_length or model_cfg.get("max_position_embeddings")
+    if not (model / "tokenizer.json").is_file():
+        report.problems.append(f"model_path {model}: no tokenizer.json (the audit needs a fast tokenizer)")
+        return
+    from regen.chat import load_tokenizer, render_generation_prompt, template_problems
+
+    try:
+        tokenizer = load_tokenizer(str(model))
+    except Exception as exc:  # any loader failure is a finding, named with its type
+        report.problems.append(f"model_path {model}: tokenizer does not load: {type(exc).__name__}: {exc}")
+        return
+    for problem in template_problems(tokenizer, cfg.enable_thinking):
+        report.problems.append(f"model_path {model}: {problem}")
+    longest = report.info.get("_longest_prompt")
+    if longest is not None and context:
+        try:
+            prompt_tokens = len(tokenizer.encode(
+                render_generation_prompt(tokenizer, longest.messages, cfg.enable_thinking),
+                add_special_tokens=False))
+        except Exception:  # template errors are reported above
+            return
+        report.info["longest_prompt_tokens"] = prompt_tokens
+        if prompt_tokens + cfg.max_tokens > context:
+            report.problems.append(
+                f"max_tokens {cfg.max_tokens} + longest prompt ({longest.id!r}, {prompt_tokens} "
+                f"tokens) = {prompt_tokens + cfg.max_tokens} passes the context length {context}"
+            )
+
+
+def check_engine(cfg: RunConfig, report: PreflightReport) -> None:
+    parsers = SUPPORTED_PARSERS[cfg.engine]
+    if cfg.reasoning_parser and cfg.reasoning_parser not in parsers:
+        report.problems.append(
+            f"reasoning_parser {cfg.reasoning_parser!r}: engine {cfg.engine} has no such parser "
+            f"(known: {', '.join(sorted(parsers))})")
+    if cfg.enable_thinking and not cfg.reasoning_parser:
+        report.problems.append("reasoning_parser: empty while enable_thinking is on; the thinking "
+                               "trace would stay inside content")
+    if cfg.engine == "vllm":
+        for name in VLLM_IGNORES:
+            if getattr(cfg, name) is not None:
+                report.problems.append(f"{name}: SGLang option with no vLLM equivalent; unset it "
+                                       f"for engine vllm")
+    if (cfg.concurrency_per_server and cfg.max_running_requests
+            and cfg.concurrency_per_server > cfg.max_running_requests):
+        report.problems.append(
+            f"concurrency_per_server {cfg.concurrency_per_server} is above max_running_requests "
+            f"{cfg.max_running_requests}: the extra requests would only queue")
+    if cfg.engine != "sim" and cfg.engine_python and not Path(cfg.engine_python).is_file():
+        report.problems.append(f"engine_python {cfg.engine_python}: not found")
+
+
+def check_space(cfg: RunConfig, report: PreflightReport) -> None:
+    output = Path(cfg.output)
+    probe_dir = output
+    while not probe_dir.exists() and probe_dir != probe_dir.parent:
+        probe_dir = probe_dir.parent
+    if not os.access(probe_dir, os.W_OK):
+        report.problems.append(f"output {output}: not writable ({probe_dir} denies writing)")
+    else:
+        prompts = report.info.get("prompts", 0)
+        longest = report.info.get("longest_prompt_chars", 0)
+        # A row is its prompt plus up to max_tokens of text (~4 bytes a token), compressed ~2x.
+        need = int(prompts * (longest + cfg.max_tokens * 4) / 2)
+        free = shutil.disk_usage(probe_dir).free
+        report.info["output_estimate_bytes"] = need
+        if need > free:
+            report.problems.append(f"output {output}: needs about {need / 1e9:.1f} GB for "
+                                   f"{prompts:,} rows, {free / 1e9:.1f} GB free")
+    if cfg.stage_weights and "model_bytes" in report.info:
+        staging = Path(cfg.staging_dir)
+        probe = staging
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        free = shutil.disk_usage(probe).free
+        from regen.stage import staged_path
+
+        already = staged_path(Path(cfg.model_path), staging)
+        have = sum(f.stat().st_size for f in already.rglob("*") if f.is_file()) if already.exists() else 0
+        need = report.info["model_bytes"]
+        if need > free + have:
+            report.problems.append(f"staging_dir {staging}: needs {need / 1e9:.2f} GB for the model, "
+                                   f"{(free + have) / 1e9:.2f} GB free")
+
+
+def check_ports(cfg: RunConfig, report: PreflightReport, state_dir: Path) -> None:
+    from regen.servers import is_healthy, port_is_free, read_state, server_slots
+
+    ours = {r.port for r in read_state(state_dir) if is_healthy(r.url)}
+    taken = [cfg.base_port + i for i in range(len(server_slots(cfg)))
+             if cfg.base_port + i not in ours and not port_is_free(cfg.host, cfg.base_port + i)]
+    if taken:
+        report.problems.append(f"port{'s' if len(taken) > 1 else ''} {', '.join(map(str, taken))} "
+                               f"on {cfg.host} already in use: free them or change base_port")
+
+
+def run_preflight(cfg: RunConfig, state_dir: Path | None = None, code: bool = True) -> PreflightReport:
+    started = time.monotonic()
+    report = PreflightReport()
+    if code:
+        report.problems.extend(check_code())
+    check_engine(cfg, report)
+    check_prompts(cfg, report)
+    check_model(cfg, report)
+    check_space(cfg, report)
+    check_ports(cfg, report, state_dir or Path(cfg.output) / "work" / "servers")
+    report.info = {k: v for k, v in report.info.items() if not k.startswith("_")}
+    report.seconds = time.monotonic() - started
+    return report

@@ -1,0 +1,101 @@
+"""progress.json: done / failed / total, throughput and ETA, per shard and per server.
+
+Each shard (a separate Airflow task, maybe on another worker) writes its own file under
+``work/progress/``; whoever writes next folds them into ``progress.json``, replaced atomically so a
+reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=1, default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def format_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 7200:
+        return f"{seconds // 60} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+class RunProgress:
+    """The progress files of one output directory."""
+
+    def __init__(self, output: str | Path):
+        self.output = Path(output)
+        self.dir = self.output / "work" / "progress"
+        self.path = self.output / "progress.json"
+
+    def write_shard(self, shard: int, data: dict) -> None:
+        atomic_write_json(self.dir / f"shard-{shard:05d}.json", {**data, "updated": time.time()})
+        self.fold()
+
+    def write_section(self, name: str, data: dict) -> None:
+        """A run-level section (canary estimate, audit verdict) kept beside the shards."""
+        atomic_write_json(self.dir / f"{name}.json", {**data, "updated": time.time()})
+        self.fold()
+
+    def fold(self) -> dict:
+        shards, sections = {}, {}
+        if self.dir.exists():
+            for path in sorted(self.dir.glob("*.json")):
+                data = read_json(path)
+                if data is None:
+                    continue
+                if path.name.startswith("shard-"):
+                    shards[path.stem] = data
+                else:
+                    sections[path.stem] = data
+        done = sum(s.get("done", 0) for s in shards.values())
+        failed = sum(s.get("failed", 0) for s in shards.values())
+        total = sum(s.get("total", 0) for s in shards.values())
+        running = [s for s in shards.values() if s.get("state") == "running"]
+        tps = sum(s.get("tokens_per_s", 0.0) for s in running)
+        rps = sum(s.get("rows_per_s", 0.0) for s in running)
+        remaining = total - done - failed
+        servers: dict[str, dict] = {}
+        for s in running:
+            for url, srv in (s.get("servers") or {}).items():
+                agg = servers.setdefault(url, {"done": 0, "failed": 0, "in_flight": 0, "healthy": True})
+                agg["done"] += srv.get("done", 0)
+                agg["failed"] += srv.get("failed", 0)
+                agg["in_flight"] += srv.get("in_flight", 0)
+                agg["healthy"] = agg["healthy"] and srv.get("healthy", True)
+                if srv.get("metrics"):
+                    agg["metrics"] = srv["metrics"]
+        summary = {
+            "done": done, "failed": failed, "total": total,
+            "tokens_per_s": round(tps, 1),
+            "eta_s": round(remaining / rps) if rps > 0 else None,
+            "shards": shards, "servers": servers, **sections,
+            "updated": time.time(),
+        }
+        atomic_write_json(self.path, summary)
+        return summary

@@ -1,0 +1,306 @@
+"""regen's simulator of the part of SGLang's HTTP API that regen uses.
+
+It stands in for a GPU server in demos and tests, and injects the faults that matter: slow
+tokens, HTTP 500s, hangs, a full queue, a prompt longer than the context, and a server that
+ignores ``enable_thinking`` (the failure that ruined the 914k-sample dataset). It takes SGLang's
+launch flags where they apply, so the server manager starts it through the same code path.
+
+Text is deterministic per (prompt, seed); a "token" is a word, which is what ``usage`` counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import random
+import secrets
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REASONING_WORDS = (
+    "okay let me think about this carefully first the question asks for the answer so I "
+    "should check each step then consider whether the result makes sense because a small "
+    "mistake here would change everything hmm wait actually that is right now compute the "
+    "value and verify it again before writing the final answer clearly"
+).split()
+ANSWER_WORDS = (
+    "the answer is that this works because each part follows from the previous one and the "
+    "result is consistent with what we expected in summary here is a clear explanation"
+).split()
+NO_THINKING_ANSWER = "OK."
+
+
+@dataclass
+class SimSettings:
+    model_path: str
+    served_model_name: str
+    context_length: int
+    max_running_requests: int = 64
+    tokens_per_second: float = 0.0
+    ttft_s: float = 0.0
+    failure_rate: float = 0.0
+    hang_rate: float = 0.0
+    ignore_thinking: bool = False
+    startup_delay_s: float = 0.0
+    api_key: str | None = None
+    speculative_algorithm: str | None = None
+    reasoning_parser: str | None = None
+    seed: int = 0
+
+
+@dataclass
+class SimState:
+    started: float = field(default_factory=time.monotonic)
+    running: int = 0
+    queued: int = 0
+    requests_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+    def throughput(self, window: float = 10.0) -> float:
+        now = time.monotonic()
+        while self.recent and self.recent[0][0] < now - window:
+            self.recent.popleft()
+        return sum(n for _, n in self.recent) / window
+
+
+def _rng(messages: list[dict], seed: int | None, base_seed: int) -> random.Random:
+    key = json.dumps(messages, sort_keys=True) + f"|{seed if seed is not None else base_seed}"
+    return random.Random(hashlib.sha256(key.encode()).digest())
+
+
+def compose(messages: list[dict], thinking: bool, seed: int | None, base_seed: int = 0) -> tuple[list[str], list[str]]:
+    """(reasoning words, answer words) for a request; no reasoning when thinking is off."""
+    rng = _rng(messages, seed, base_seed)
+    if not thinking:
+        return [], [NO_THINKING_ANSWER]
+    reasoning = [rng.choice(REASONING_WORDS) for _ in range(rng.randint(40, 120))]
+    answer = [rng.choice(ANSWER_WORDS) for _ in range(rng.randint(12, 48))]
+    answer[-1] = answer[-1] + "."
+    return reasoning, answer
+
+
+def count_prompt_tokens(messages: list[dict]) -> int:
+    return sum(len(str(m.get("content", "")).split()) + 4 for m in messages) + 2
+
+
+def build_app(settings: SimSettings):
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, PlainTextResponse
+    from starlette.routing import Route
+
+    state = SimState()
+    slots = asyncio.Semaphore(settings.max_running_requests)
+    failures = random.Random(settings.seed ^ 0x5EED)
+
+    def ready() -> bool:
+        return time.monotonic() - state.started >= settings.startup_delay_s
+
+    def unauthorized(request: Request):
+        if settings.api_key is None:
+            return None
+        if request.headers.get("authorization") != f"Bearer {settings.api_key}":
+            return JSONResponse({"error": {"message": "Unauthorized", "code": 401}}, status_code=401)
+        return None
+
+    async def health(request: Request):
+        if not ready():
+            return PlainTextResponse("warming up", status_code=503)
+        return PlainTextResponse("")
+
+    async def models(request: Request):
+        if (denied := unauthorized(request)) is not None:
+            return denied
+        return JSONResponse({"object": "list", "data": [{
+            "id": settings.served_model_name, "object": "model", "owned_by": "sglang",
+            "root": settings.model_path, "max_model_len": settings.context_length}]})
+
+    async def server_info(request: Request):
+        return JSONResponse({
+            "model_path": settings.model_path,
+            "served_model_name": settings.served_model_name,
+            "context_length": settings.context_length,
+            "max_running_requests": settings.max_running_requests,
+            "speculative_algorithm": settings.speculative_algorithm,
+            "reasoning_parser": settings.reasoning_parser,
+            "version": "regen-sim",
+            "internal_states": [{
+                "max_running_requests": settings.max_running_requests,
+                "last_gen_throughput": state.throughput(),
+            }],
+        })
+
+    async def metrics(request: Request):
+        labels = f'{{model_name="{settings.served_model_name}"}}'
+        accept = 3.6 if settings.speculative_algorithm else 1.0
+        lines = [
+            "# TYPE sglang:num_running_reqs gauge", f"sglang:num_running_reqs{labels} {state.running}",
+            "# TYPE sglang:num_queue_reqs gauge", f"sglang:num_queue_reqs{labels} {state.queued}",
+            "# TYPE sglang:gen_throughput gauge", f"sglang:gen_throughput{labels} {state.throughput():.3f}",
+            "# TYPE sglang:spec_accept_length gauge", f"sglang:spec_accept_length{labels} {accept}",
+            "# TYPE sglang:num_requests_total counter",
+            f"sglang:num_requests_total{labels} {state.requests_total}",
+            "# TYPE sglang:prompt_tokens_total counter",
+            f"sglang:prompt_tokens_total{labels} {state.prompt_tokens_total}",
+            "# TYPE sglang:generation_tokens_total counter",
+            f"sglang:generation_tokens_total{labels} {state.generation_tokens_total}",
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    async def chat(request: Request):
+        if (denied := unauthorized(request)) is not None:
+            return denied
+        if not ready():
+            return JSONResponse({"error": {"message": "server is warming up"}}, status_code=503)
+        try:
+            body = await request.json()
+            messages = body["messages"]
+            assert isinstance(messages, list) and messages
+        except Exception:
+            return JSONResponse({"object": "error", "message": "messages: field required",
+                                 "type": "BadRequestError", "code": 400}, status_code=400)
+        max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 2048)
+        prompt_tokens = count_prompt_tokens(messages)
+        if prompt_tokens + max_tokens > settings.context_length:
+            return JSONResponse({
+                "object": "error", "type": "BadRequestError", "code": 400,
+                "message": (f"Requested token count exceeds the model's maximum context length of "
+                            f"{settings.context_length} tokens. You requested a total of "
+                            f"{prompt_tokens + max_tokens} tokens: {prompt_tokens} tokens from the "
+                            f"input messages and {max_tokens} tokens for the completion."),
+            }, status_code=400)
+        roll = failures.random()
+        if roll < settings.failure_rate:
+            return JSONResponse({"object": "error", "message": "simulated internal error",
+                                 "code": 500}, status_code=500)
+        kwargs = body.get("chat_template_kwargs") or {}
+        thinking = bool(kwargs.get("enable_thinking", True)) and not settings.ignore_thinking
+        reasoning, answer = compose(messages, thinking, body.get("seed"), settings.seed)
+
+        state.queued += 1
+        async with slots:
+            state.queued -= 1
+            state.running += 1
+            try:
+                if roll < settings.failure_rate + settings.hang_rate:
+                    await asyncio.sleep(3600)
+                budget = max_tokens
+                think_tokens = reasoning[:budget]
+                budget -= len(think_tokens) + (1 if reasoning else 0)
+                answer_tokens = answer[:max(budget, 0)]
+                finished = len(think_tokens) == len(reasoning) and len(answer_tokens) == len(answer)
+                completion = len(think_tokens) + (1 if reasoning else 0) + len(answer_tokens)
+                completion = min(completion, max_tokens)
+                delay = settings.ttft_s
+                if settings.tokens_per_second > 0:
+                    delay += completion / settings.tokens_per_second
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            finally:
+                state.running -= 1
+        state.requests_total += 1
+        state.prompt_tokens_total += prompt_tokens
+        state.generation_tokens_total += completion
+        state.recent.append((time.monotonic(), completion))
+        message = {
+            "role": "assistant",
+            "content": " ".join(answer_tokens) if answer_tokens else None,
+            "reasoning_content": " ".join(think_tokens) if reasoning else None,
+            "tool_calls": None,
+        }
+        return JSONResponse({
+            "id": secrets.token_hex(8),
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": settings.served_model_name,
+            "choices": [{"index": 0, "message": message,
+                         "finish_reason": "stop" if finished else "length"}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                      "total_tokens": prompt_tokens + completion},
+        })
+
+    return Starlette(routes=[
+        Route("/health", health),
+        Route("/health_generate", health),
+        Route("/v1/models", models),
+        Route("/server_info", server_info),
+        Route("/get_server_info", server_info),
+        Route("/metrics", metrics),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+    ])
+
+
+def model_context_length(model_path: str) -> int:
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    return int(cfg.get("max_position_embeddings") or 32768)
+
+
+def argument_parser() -> argparse.ArgumentParser:
+    """SGLang's launch flags that apply to the simulator, plus its own ``--sim-*`` knobs."""
+    p = argparse.ArgumentParser(prog="regen sim", description=__doc__.splitlines()[0])
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--model-path", default=None,
+                   help="model directory; its config.json gives the context length")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--reasoning-parser", default=None)
+    p.add_argument("--speculative-algorithm", default=None)
+    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--enable-metrics", action="store_true", help="accepted; metrics are always on")
+    for flag in ("--speculative-num-steps", "--speculative-eagle-topk",
+                 "--speculative-num-draft-tokens", "--mem-fraction-static",
+                 "--max-mamba-cache-size"):
+        p.add_argument(flag, default=None, help="accepted for SGLang parity; no effect")
+    p.add_argument("--sim-tokens-per-second", type=float, default=0.0)
+    p.add_argument("--sim-ttft", type=float, default=0.0)
+    p.add_argument("--sim-failure-rate", type=float, default=0.0)
+    p.add_argument("--sim-hang-rate", type=float, default=0.0)
+    p.add_argument("--sim-ignore-thinking", action="store_true")
+    p.add_argument("--sim-startup-delay", type=float, default=0.0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    args = argument_parser().parse_args(argv)
+    context = args.context_length
+    if args.model_path:
+        if not (Path(args.model_path) / "config.json").is_file():
+            print(f"error: {args.model_path}: no config.json (not a model directory)", file=sys.stderr)
+            return 1
+        context = context or model_context_length(args.model_path)
+    settings = SimSettings(
+        model_path=args.model_path or "sim",
+        served_model_name=args.served_model_name or Path(args.model_path or "sim").name,
+        context_length=context or 32768,
+        max_running_requests=args.max_running_requests,
+        tokens_per_second=args.sim_tokens_per_second,
+        ttft_s=args.sim_ttft,
+        failure_rate=args.sim_failure_rate,
+        hang_rate=args.sim_hang_rate,
+        ignore_thinking=args.sim_ignore_thinking,
+        startup_delay_s=args.sim_startup_delay,
+        api_key=args.api_key,
+        speculative_algorithm=args.speculative_algorithm,
+        reasoning_parser=args.reasoning_parser,
+        seed=args.random_seed,
+    )
+    print(f"regen sim: {settings.served_model_name} on http://{args.host}:{args.port} "
+          f"(context {settings.context_length}, max running {settings.max_running_requests}"
+          f"{', ignoring enable_thinking' if settings.ignore_thinking else ''})", flush=True)
+    config = uvicorn.Config(build_app(settings), host=args.host, port=args.port,
+                            log_level="warning", access_log=False, lifespan="off")
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1

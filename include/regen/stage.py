@@ -1,0 +1,132 @@
+"""Staging the model weights to a RAM disk: space-checked, atomic, verified, idempotent.
+
+The copy goes to a hidden temporary directory that is renamed into place only once every file is
+copied and verified, so an interrupted copy never passes for a model. A manifest of the source
+(sizes, mtimes, checksums of the small files) makes a re-stage of an unchanged model a no-op and
+a changed source a fresh copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("regen.stage")
+
+MANIFEST = ".regen-manifest.json"
+SMALL_FILE = 64 * 1024 * 1024  # hashed whole; larger files are checked by size
+SPACE_MARGIN = 1.02
+
+
+class StageError(RuntimeError):
+    """Staging could not be done; the message says what and where."""
+
+
+@dataclass
+class StageResult:
+    path: Path
+    copied: bool
+    bytes: int
+    seconds: float
+
+
+def source_manifest(src: Path) -> dict[str, dict]:
+    files = {}
+    for path in sorted(src.rglob("*")):
+        if path.is_file() and path.name != MANIFEST:
+            st = path.stat()
+            files[str(path.relative_to(src))] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return files
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def staged_path(src: Path, staging_dir: Path) -> Path:
+    """One place per source directory, so two models with the same name do not collide."""
+    tag = hashlib.sha256(str(src.resolve()).encode()).hexdigest()[:8]
+    return staging_dir / f"{src.name}-{tag}"
+
+
+def _copy_one(src: Path, dst: Path, rel: str) -> None:
+    (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src / rel, dst / rel)  # copy_file_range / sendfile under the hood
+
+
+def stage_model(src: str | Path, staging_dir: str | Path, workers: int = 4) -> StageResult:
+    src, staging_dir = Path(src), Path(staging_dir)
+    if not (src / "config.json").is_file():
+        raise StageError(f"model_path {src}: not a model directory (no config.json)")
+    started = time.monotonic()
+    manifest = source_manifest(src)
+    total = sum(f["size"] for f in manifest.values())
+    dest = staged_path(src, staging_dir)
+    recorded = dest / MANIFEST
+    if recorded.exists():
+        try:
+            previous = json.loads(recorded.read_text())
+        except (OSError, json.JSONDecodeError):
+            previous = {}
+        if previous.get("source") == str(src.resolve()) and previous.get("files") == manifest:
+            log.info("%s already staged at %s (%d files, %.1f MB): nothing to do",
+                     src, dest, len(manifest), total / 1e6)
+            return StageResult(dest, False, total, time.monotonic() - started)
+        log.info("%s changed since it was staged: staging again", src)
+    staging_dir.mkdir(parents=True, exist_ok=True)
+    for leftover in staging_dir.glob(f".{dest.name}.*"):  # a copy interrupted earlier
+        shutil.rmtree(leftover, ignore_errors=True)
+    reclaimable = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file()) if dest.exists() else 0
+    free = shutil.disk_usage(staging_dir).free + reclaimable
+    if total * SPACE_MARGIN > free:
+        raise StageError(
+            f"staging_dir {staging_dir}: needs {total / 1e9:.2f} GB for {src.name}, "
+            f"{free / 1e9:.2f} GB free"
+        )
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=staging_dir))
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            # Largest first, so the long copies overlap instead of trailing at the end.
+            order = sorted(manifest, key=lambda rel: -manifest[rel]["size"])
+            list(pool.map(lambda rel: _copy_one(src, tmp, rel), order))
+        checksums = verify_copy(src, tmp, manifest)
+        (tmp / MANIFEST).write_text(json.dumps(
+            {"source": str(src.resolve()), "files": manifest, "sha256": checksums}, indent=1))
+        tmp.chmod(0o755)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    elapsed = time.monotonic() - started
+    log.info("staged %s to %s: %d files, %.1f MB in %.1f s (%.0f MB/s)", src, dest, len(manifest),
+             total / 1e6, elapsed, total / 1e6 / max(elapsed, 1e-9))
+    return StageResult(dest, True, total, elapsed)
+
+
+def verify_copy(src: Path, copy: Path, manifest: dict[str, dict]) -> dict[str, str]:
+    """Sizes of every file; SHA-256 of the small ones (configs, tokenizer). Raises on mismatch."""
+    checksums = {}
+    for rel, meta in manifest.items():
+        size = (copy / rel).stat().st_size
+        if size != meta["size"]:
+            raise StageError(f"staged {rel}: {size} bytes, source has {meta['size']}")
+        if meta["size"] <= SMALL_FILE:
+            digest = sha256_file(copy / rel)
+            if digest != sha256_file(src / rel):
+                raise StageError(f"staged {rel}: checksum differs from the source")
+            checksums[rel] = digest
+    return checksums
