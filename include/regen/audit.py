@@ -207,6 +207,7 @@ class AuditReport:
             "thinking_rows": s.thinking_rows,
             "reasoning_rows": s.reasoning_rows,
             "example_degenerate": s.example,
+            "summary": self.lines(),
         }
 
     def lines(self) -> list[str]:

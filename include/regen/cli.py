@@ -202,6 +202,33 @@ def cmd_audit(args) -> int:
     return 0 if report.passed else EXIT_FAILED
 
 
+def cmd_config(args) -> int:
+    cfg = load_config(args)
+    print(cfg.model_dump_json() if args.json else cfg.to_yaml(), end="\n" if args.json else "")
+    return 0
+
+
+def cmd_summary(args) -> int:
+    """Where the dataset and the report are, and the audit's five lines: readable in seconds."""
+    import json
+
+    cfg = load_config(args)
+    output = Path(cfg.output)
+    progress = json.loads((output / "progress.json").read_text()) if (output / "progress.json").exists() else {}
+    print(f"dataset:  {output / 'data'}  ({progress.get('done', 0):,} rows done, "
+          f"{progress.get('failed', 0):,} failed, of {progress.get('total', 0):,})")
+    print(f"progress: {output / 'progress.json'}")
+    summary_path = output / "audit" / "summary.json"
+    if not summary_path.exists():
+        print("audit:    not run yet")
+        return EXIT_FAILED
+    summary = json.loads(summary_path.read_text())
+    print(f"audit:    {output / 'audit'}  (report.html, summary.json, samples.parquet)")
+    for line in summary["summary"]:
+        print("  " + line)
+    return 0 if summary["verdict"] == "PASS" else EXIT_FAILED
+
+
 def cmd_demo_model(args) -> int:
     from regen.tinymodel import build_tiny_model
 
@@ -251,6 +278,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-thinking", dest="enable_thinking", action="store_false", default=None,
                    help="rows without enable_thinking were generated with thinking off")
     p.set_defaults(func=cmd_audit)
+
+    p = sub.add_parser("config", help="print the validated config (YAML, or JSON for --conf)")
+    _add_config_flags(p)
+    p.add_argument("--json", action="store_true", help="one line of JSON, e.g. for `airflow dags test --conf`")
+    p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("summary", help="where the outputs are, and the audit summary")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_summary)
 
     p = sub.add_parser("demo-model", help="build the tiny local model and tokenizer of the demo")
     p.add_argument("--out", type=Path, required=True)

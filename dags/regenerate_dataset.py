@@ -1,0 +1,108 @@
+"""
+### regenerate_dataset
+
+Regenerates a training dataset with the *target* model, thinking traces on, over one inference
+server per GPU. One run = one regeneration:
+
+`preflight` → `stage_weights` → `start_servers` (setup) → `canary` → `generate` × shards → `audit`,
+with `stop_servers` (teardown) as soon as generation ends, whether the shards succeeded or not,
+so no GPU idles through the audit.
+
+Nothing that costs GPU time starts before `preflight` has compiled the code, validated the config,
+the prompts and the chat template. Clearing a failed shard resumes it where it stopped.
+Outputs: `OUTPUT/data/*.parquet`, `OUTPUT/progress.json`, `OUTPUT/audit/report.html`.
+
+The DAG only wires tasks; the work is in the `regen` package (`include/regen`), one module per stage.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from airflow.sdk import Param, dag, get_current_context, task
+
+from regen.config import param_schemas
+
+PARAMS = {name: Param(default, **schema) for name, (default, schema) in param_schemas().items()}
+
+
+def _config(params):
+    from regen.config import RunConfig
+
+    return RunConfig.from_mapping(dict(params), source="params")
+
+
+@task(retries=0)
+def preflight(params=None) -> list[int]:
+    from regen import pipeline
+
+    return pipeline.preflight(_config(params))
+
+
+@task(retries=1, retry_delay=timedelta(seconds=10))
+def stage_weights(params=None) -> str:
+    from regen import pipeline
+
+    return pipeline.stage_weights(_config(params))
+
+
+@task(retries=0)
+def start_servers(served_model_path: str, params=None) -> list[str]:
+    from regen import pipeline
+
+    return pipeline.start_servers(_config(params), served_model_path)
+
+
+@task(retries=0)
+def canary(params=None) -> dict:
+    from regen import pipeline
+
+    return pipeline.canary(_config(params))
+
+
+@task(retries=2, retry_delay=timedelta(seconds=30), map_index_template="{{ shard_label }}")
+def generate(shard: int, params=None) -> str:
+    from regen import pipeline
+
+    cfg = _config(params)
+    get_current_context()["shard_label"] = f"shard {shard}/{cfg.num_shards}"
+    return pipeline.generate(cfg, shard).summary()
+
+
+@task(retries=0)
+def audit(params=None) -> dict:
+    from regen import pipeline
+
+    report = pipeline.audit(_config(params))
+    pipeline.require_pass(report)
+    return report.to_json()
+
+
+@task(retries=1, retry_delay=timedelta(seconds=5))
+def stop_servers(params=None) -> int:
+    from regen import pipeline
+
+    return pipeline.stop_servers(_config(params))
+
+
+@dag(
+    dag_id="regenerate_dataset",
+    schedule=None,
+    start_date=datetime(2026, 1, 1),
+    catchup=False,
+    max_active_runs=1,
+    params=PARAMS,
+    doc_md=__doc__,
+    tags=["regen", "llm-data"],
+)
+def regenerate_dataset():
+    shards = preflight()
+    model = stage_weights()
+    shards >> model
+    servers = start_servers(model)
+    generated = generate.expand(shard=shards)
+    servers >> canary() >> generated >> audit()
+    generated >> stop_servers().as_teardown(setups=servers)
+
+
+regenerate_dataset()
