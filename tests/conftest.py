@@ -132,3 +132,14 @@ def processes_with_args(*args: str) -> list[int]:
         if state != "Z" and (b"\0" + needle + b"\0") in (b"\0" + cmdline):
             found.append(int(entry.name))
     return found
+
+
+def wait_until(predicate, timeout: float, what: str = "condition") -> None:
+    """Poll a condition with a deadline: the way to wait for another process, never a bare sleep."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not met within {timeout} s")
+        time.sleep(0.02)

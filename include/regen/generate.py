@@ -449,7 +449,11 @@ class Journal:
         self._fh.flush()
 
     def close(self) -> None:
-        self._fh.close()
+        try:
+            self._fh.close()
+        except OSError as exc:  # the disk filled: the append already failed the shard
+            log.warning("journal %s: %s on close; a cut last line is dropped on resume",
+                        self.path, exc.strerror or exc)
 
     @staticmethod
     def rows(path: Path) -> Iterator[dict]:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from regen.config import RunConfig
 from regen.paths import DAGS_DIR, PACKAGE_DIR
+from regen.progress import format_bytes
 
 log = logging.getLogger("regen.preflight")
 
@@ -224,8 +225,8 @@ def check_space(cfg: RunConfig, report: PreflightReport) -> None:
         free = shutil.disk_usage(probe_dir).free
         report.info["output_estimate_bytes"] = need
         if need > free:
-            report.problems.append(f"output {output}: needs about {need / 1e9:.1f} GB for "
-                                   f"{prompts:,} rows, {free / 1e9:.1f} GB free")
+            report.problems.append(f"output {output}: needs about {format_bytes(need)} for "
+                                   f"{prompts:,} rows, {format_bytes(free)} free")
     if cfg.stage_weights and "model_bytes" in report.info:
         staging = Path(cfg.staging_dir)
         probe = staging
@@ -238,8 +239,8 @@ def check_space(cfg: RunConfig, report: PreflightReport) -> None:
         have = sum(f.stat().st_size for f in already.rglob("*") if f.is_file()) if already.exists() else 0
         need = report.info["model_bytes"]
         if need > free + have:
-            report.problems.append(f"staging_dir {staging}: needs {need / 1e9:.2f} GB for the model, "
-                                   f"{(free + have) / 1e9:.2f} GB free")
+            report.problems.append(f"staging_dir {staging}: needs {format_bytes(need)} for the model, "
+                                   f"{format_bytes(free + have)} free")
 
 
 def check_ports(cfg: RunConfig, report: PreflightReport, state_dir: Path) -> None:

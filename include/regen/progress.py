@@ -45,6 +45,14 @@ def format_duration(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def format_bytes(size: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(size) < 1000 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} TB"
+
+
 class RunProgress:
     """The progress files of one output directory."""
 

@@ -267,6 +267,9 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-hang-rate", type=float, default=0.0)
     p.add_argument("--sim-ignore-thinking", action="store_true")
     p.add_argument("--sim-startup-delay", type=float, default=0.0)
+    p.add_argument("--sim-orphan-child", action="store_true",
+                   help="leave a child that ignores SIGTERM and outlives the server, as SGLang's "
+                   "scheduler children have been seen to do (issues 23627, 15165)")
     return p
 
 
@@ -299,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"regen sim: {settings.served_model_name} on http://{args.host}:{args.port} "
           f"(context {settings.context_length}, max running {settings.max_running_requests}"
           f"{', ignoring enable_thinking' if settings.ignore_thinking else ''})", flush=True)
+    if args.sim_orphan_child:
+        import subprocess
+
+        subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                          "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(86400)"])
     config = uvicorn.Config(build_app(settings), host=args.host, port=args.port,
                             log_level="warning", access_log=False, lifespan="off")
     server = uvicorn.Server(config)

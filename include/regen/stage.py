@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from regen.progress import format_bytes
+
 log = logging.getLogger("regen.stage")
 
 MANIFEST = ".regen-manifest.json"
@@ -92,8 +94,8 @@ def stage_model(src: str | Path, staging_dir: str | Path, workers: int = 4) -> S
     free = shutil.disk_usage(staging_dir).free + reclaimable
     if total * SPACE_MARGIN > free:
         raise StageError(
-            f"staging_dir {staging_dir}: needs {total / 1e9:.2f} GB for {src.name}, "
-            f"{free / 1e9:.2f} GB free"
+            f"staging_dir {staging_dir}: needs {format_bytes(total)} for {src.name}, "
+            f"{format_bytes(free)} free"
         )
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=staging_dir))
     try:

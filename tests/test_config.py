@@ -1,0 +1,79 @@
+"""One schema for YAML, flags and Params: bad values are refused with the field named."""
+
+from __future__ import annotations
+
+import jsonschema
+import pytest
+
+from conftest import ROOT
+from regen.cli import build_parser, load_config
+from regen.config import ConfigError, RunConfig, param_schemas
+
+
+def test_demo_config_loads_with_paths_relative_to_the_file():
+    cfg = RunConfig.load(ROOT / "demo" / "config.yaml")
+    assert cfg.prompts == str(ROOT / "demo" / "prompts.jsonl")
+    assert cfg.model_path == str(ROOT / "var" / "demo-model")
+    assert cfg.engine == "sim"
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("max_tokens", 0, "greater than or equal to 1"),
+    ("engine", "tgi", "'sglang', 'vllm' or 'sim'"),
+    ("temperature", 5, "less than or equal to 2"),
+    ("model_path", "/models/x\n; rm -rf /", "control characters"),
+    ("host", "127.0.0.1; reboot", "host name"),
+    ("extra_server_args", ["--tp-size", "2; curl evil"], "character no server flag needs"),
+    ("api_key", "short", "8 to 256"),
+    ("no_such_field", 1, "unknown field"),
+])
+def test_bad_values_are_refused_naming_the_field(field, value, words):
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_mapping({field: value}, source="run.yaml")
+    message = str(err.value)
+    assert f"run.yaml: field '{field}'" in message
+    assert words in message
+
+
+def test_every_error_is_listed_not_just_the_first():
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_mapping({"max_tokens": 0, "top_p": 3, "num_shards": 0})
+    assert len(str(err.value).splitlines()) == 3
+
+
+def test_yaml_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_tokens: [1,\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        RunConfig.load(bad)
+    with pytest.raises(ConfigError, match="no such config file"):
+        RunConfig.load(tmp_path / "missing.yaml")
+
+
+def test_param_schemas_accept_the_defaults_and_refuse_what_pydantic_refuses():
+    defaults = RunConfig().model_dump()
+    for name, (default, schema) in param_schemas().items():
+        assert default == defaults[name]
+        jsonschema.validate(default, schema)
+    schemas = param_schemas()
+    for name, bad in (("max_tokens", 0), ("engine", "tgi"), ("speculative_algorithm", "MEDUSA"),
+                      ("top_p", 0), ("gpus", ["0"])):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schemas[name][1])
+    jsonschema.validate(None, schemas["speculative_algorithm"][1])
+    jsonschema.validate("NEXTN", schemas["speculative_algorithm"][1])
+
+
+def test_cli_flags_override_the_yaml_with_the_same_names():
+    args = build_parser().parse_args([
+        "preflight", "--config", str(ROOT / "demo" / "config.yaml"), "--max-tokens", "77",
+        "--no-enable-thinking", "--gpus", "0,3", "--extra-server-args", "--tp-size 2",
+        "--speculative-algorithm", "NEXTN",
+    ])
+    cfg = load_config(args)
+    assert cfg.max_tokens == 77
+    assert cfg.enable_thinking is False
+    assert cfg.gpus == [0, 3]
+    assert cfg.extra_server_args == ["--tp-size", "2"]
+    assert cfg.speculative_algorithm == "NEXTN"
+    assert cfg.num_shards == 4  # from the YAML

@@ -1,0 +1,136 @@
+"""The simulator over real HTTP: SGLang's API shape, thinking on and off, and its fault knobs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from conftest import BIN, free_port_base, wait_until
+from regen.servers import ServerRecord, port_is_free, wait_healthy
+
+MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+@pytest.fixture
+def sim(tiny_model):
+    """`regen sim --port PORT` exactly as DESIGN.md writes it, plus knobs; stopped afterwards."""
+    procs = []
+
+    def start(*flags: str) -> str:
+        port = free_port_base(1)
+        argv = [str(BIN / "regen"), "sim", "--port", str(port), "--model-path", str(tiny_model), *flags]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        procs.append(proc)
+        record = ServerRecord(0, None, "127.0.0.1", port, proc.pid, "/dev/null", argv, None)
+        wait_healthy([(record, proc)], timeout_s=30)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def chat(url, **body):
+    payload = {"model": "m", "messages": MESSAGES, "max_tokens": 512, **body}
+    return httpx.post(f"{url}/v1/chat/completions", json=payload, timeout=30,
+                      headers=body.pop("headers", {}))
+
+
+def test_thinking_on_splits_reasoning_from_content(sim):
+    url = sim()
+    body = chat(url, chat_template_kwargs={"enable_thinking": True}).json()
+    message = body["choices"][0]["message"]
+    assert len(message["reasoning_content"].split()) >= 40
+    assert message["content"] and "<think>" not in message["content"]
+    assert body["choices"][0]["finish_reason"] == "stop"
+    usage = body["usage"]
+    assert usage["completion_tokens"] == len(message["reasoning_content"].split()) + 1 + len(
+        message["content"].split())
+    # Deterministic per prompt and seed.
+    again = chat(url, chat_template_kwargs={"enable_thinking": True}).json()
+    assert again["choices"][0]["message"] == message
+    other = chat(url, chat_template_kwargs={"enable_thinking": True}, seed=7).json()
+    assert other["choices"][0]["message"] != message
+
+
+def test_thinking_off_gives_the_short_answer_without_reasoning(sim):
+    url = sim()
+    message = chat(url, chat_template_kwargs={"enable_thinking": False}).json()["choices"][0]["message"]
+    assert message["reasoning_content"] is None
+    assert message["content"] == "OK."
+
+
+def test_a_server_that_ignores_enable_thinking(sim):
+    url = sim("--sim-ignore-thinking")
+    message = chat(url, chat_template_kwargs={"enable_thinking": True}).json()["choices"][0]["message"]
+    assert message["reasoning_content"] is None
+
+
+def test_max_tokens_cuts_with_finish_reason_length(sim):
+    url = sim()
+    body = chat(url, max_tokens=10).json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 10
+    assert body["choices"][0]["message"]["content"] is None  # cut inside the thinking
+
+
+def test_prompt_over_the_context_is_a_400(sim):
+    url = sim("--context-length", "600")
+    response = chat(url, max_tokens=590)
+    assert response.status_code == 400
+    assert "maximum context length" in response.json()["message"]
+
+
+def test_api_key_guards_the_api_but_not_health_and_metrics(sim):
+    url = sim("--api-key", "secret-key-123")
+    assert chat(url).status_code == 401
+    assert chat(url, headers={"Authorization": "Bearer secret-key-123"}).status_code == 200
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/metrics").status_code == 200
+
+
+def test_metrics_models_and_server_info_use_sglang_names(sim):
+    url = sim("--max-running-requests", "7", "--speculative-algorithm", "NEXTN")
+    chat(url)
+    metrics = httpx.get(f"{url}/metrics").text
+    for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:gen_throughput",
+                 "sglang:spec_accept_length", "sglang:num_requests_total",
+                 "sglang:generation_tokens_total"):
+        assert name in metrics
+    assert "sglang:num_requests_total{" in metrics and metrics.count("} 1\n") >= 1
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny-qwen3"
+    info = httpx.get(f"{url}/server_info").json()
+    assert info["max_running_requests"] == 7
+    assert info["speculative_algorithm"] == "NEXTN"
+
+
+def test_failure_rate_returns_http_500(sim):
+    url = sim("--sim-failure-rate", "1.0")
+    assert chat(url).status_code == 500
+
+
+def test_health_is_503_while_warming_up(sim, tiny_model):
+    port = free_port_base(1)
+    proc = subprocess.Popen([sys.executable, "-m", "regen", "sim", "--port", str(port),
+                             "--model-path", str(tiny_model), "--sim-startup-delay", "60"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: not port_is_free("127.0.0.1", port), timeout=30)
+        status = httpx.get(f"{url}/health", timeout=5).status_code
+        assert status == 503
+        assert httpx.get(f"{url}/v1/models").status_code == 200  # answers before warm-up ends
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_a_bad_model_path_exits_with_a_message(tmp_path):
+    out = subprocess.run([str(BIN / "regen"), "sim", "--port", "1", "--model-path", str(tmp_path)],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1
+    assert "no config.json" in out.stderr
