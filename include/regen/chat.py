@@ -11,6 +11,7 @@ prefix arithmetic so the two never disagree.
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -78,49 +79,42 @@ def render_generation_prompt(tokenizer, messages: list[dict[str, Any]], enable_t
     )
 
 
-def loss_token_counts(tokenizer, texts: Sequence[str], fmt: ChatFormat = QWEN) -> list[int]:
-    """Loss tokens of each rendered conversation, in one batched encoding."""
+def loss_masks(tokenizer, texts: Sequence[str], fmt: ChatFormat = QWEN) -> list[list[int]]:
+    """Per token of each rendered conversation: 1 where training learns, else 0.
+
+    One batched encoding with offsets; a span edge that falls inside a token falls back to
+    SpecForge's prefix arithmetic for that span, so the two never disagree.
+    """
     if not texts:
         return []
     encodings = tokenizer._tokenizer.encode_batch(list(texts), add_special_tokens=False)
     pattern = fmt.assistant_span
-    counts = []
+    masks = []
     for text, enc in zip(texts, encodings):
         offsets = enc.offsets
         starts = [s for s, _ in offsets]
-        total = 0
+        mask = [0] * len(offsets)
         for match in pattern.finditer(text):
             first = _token_at(starts, offsets, match.start(1))
             last = _token_at(starts, offsets, match.end(1))
-            if first is None or last is None:  # edge inside a token: SpecForge's arithmetic
+            if first is None or last is None:
                 first = len(tokenizer.encode(text[: match.start(1)], add_special_tokens=False))
                 last = len(tokenizer.encode(text[: match.end(1)], add_special_tokens=False))
-            total += max(0, last - first)
-        counts.append(total)
-    return counts
+            mask[first:last] = [1] * max(0, min(last, len(mask)) - first)
+        masks.append(mask)
+    return masks
+
+
+def loss_token_counts(tokenizer, texts: Sequence[str], fmt: ChatFormat = QWEN) -> list[int]:
+    return [sum(mask) for mask in loss_masks(tokenizer, texts, fmt)]
 
 
 def _token_at(starts: list[int], offsets: list[tuple[int, int]], char: int) -> int | None:
-    """Index of the first token starting at ``char``; None when ``char`` splits a token."""
-    import bisect
-
+    """Index of the first token starting at or after ``char``; None when ``char`` splits a token."""
     i = bisect.bisect_left(starts, char)
     if i > 0 and offsets[i - 1][1] > char:
         return None
     return i
-
-
-def loss_token_counts_reference(tokenizer, texts: Sequence[str], fmt: ChatFormat = QWEN) -> list[int]:
-    """SpecForge's arithmetic, one prefix encoding per span edge: slow, kept as the reference."""
-    counts = []
-    for text in texts:
-        total = 0
-        for match in fmt.assistant_span.finditer(text):
-            first = len(tokenizer.encode(text[: match.start(1)], add_special_tokens=False))
-            last = len(tokenizer.encode(text[: match.end(1)], add_special_tokens=False))
-            total += max(0, last - first)
-        counts.append(total)
-    return counts
 
 
 def template_problems(tokenizer, enable_thinking: bool, fmt: ChatFormat = QWEN) -> list[str]:

@@ -323,8 +323,9 @@ class RunConfig(BaseModel):
     @field_validator("api_key")
     @classmethod
     def _api_key(cls, value: str | None) -> str | None:
-        if value is not None and not re.fullmatch(r"[A-Za-z0-9_\-.]{8,256}", value):
-            raise ValueError("must be 8 to 256 characters of letters, digits, '_', '-', '.'")
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9_.][A-Za-z0-9_\-.]{7,255}", value):
+            raise ValueError("must be 8 to 256 characters of letters, digits, '_', '-', '.', "
+                             "not starting with '-'")
         return value or None
 
     @field_validator("extra_server_args")

@@ -8,11 +8,14 @@ reader never sees half a file.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("regen.progress")
 
 
 def atomic_write_json(path: Path, data: Any) -> None:
@@ -62,13 +65,19 @@ class RunProgress:
         self.path = self.output / "progress.json"
 
     def write_shard(self, shard: int, data: dict) -> None:
-        atomic_write_json(self.dir / f"shard-{shard:05d}.json", {**data, "updated": time.time()})
-        self.fold()
+        self._write(f"shard-{shard:05d}", data)
 
     def write_section(self, name: str, data: dict) -> None:
         """A run-level section (canary estimate, audit verdict) kept beside the shards."""
-        atomic_write_json(self.dir / f"{name}.json", {**data, "updated": time.time()})
-        self.fold()
+        self._write(name, data)
+
+    def _write(self, name: str, data: dict) -> None:
+        """Best effort: progress informs, it must never be what fails (or masks) the work."""
+        try:
+            atomic_write_json(self.dir / f"{name}.json", {**data, "updated": time.time()})
+            self.fold()
+        except OSError as exc:
+            log.warning("progress not written (%s): %s", self.path, exc.strerror or exc)
 
     def fold(self) -> dict:
         shards, sections = {}, {}

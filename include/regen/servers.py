@@ -206,7 +206,7 @@ def start_servers(cfg: RunConfig, model_path: str, state_dir: str | Path) -> lis
             f"port{'s' if len(taken) > 1 else ''} {', '.join(map(str, taken))} on {cfg.host} "
             f"already in use: stop what holds {'them' if len(taken) > 1 else 'it'} or change base_port"
         )
-    api_key = cfg.api_key or (records[0].api_key if records else None) or secrets.token_urlsafe(24)
+    api_key = cfg.api_key or (records[0].api_key if records else None) or secrets.token_hex(24)
     launched: list[tuple[ServerRecord, subprocess.Popen]] = []
     try:
         for index, gpu, port in to_launch:

@@ -159,6 +159,7 @@ def build_app(settings: SimSettings):
             return denied
         if not ready():
             return JSONResponse({"error": {"message": "server is warming up"}}, status_code=503)
+        state.requests_total += 1  # every request received, rejected ones included
         try:
             body = await request.json()
             messages = body["messages"]
@@ -205,7 +206,6 @@ def build_app(settings: SimSettings):
                     await asyncio.sleep(delay)
             finally:
                 state.running -= 1
-        state.requests_total += 1
         state.prompt_tokens_total += prompt_tokens
         state.generation_tokens_total += completion
         state.recent.append((time.monotonic(), completion))

@@ -1,0 +1,176 @@
+"""Generation against real simulated servers with injected faults: complete, exactly once, resumable."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import pandas as pd
+import pytest
+
+from conftest import BIN, ROOT, read_ids, wait_until
+from regen.generate import GenerationSettings, Journal, ShardFailed, generate_shard, shard_name
+
+PROMPTS = ROOT / "demo" / "prompts.jsonl"
+
+
+def fast_settings(**overrides) -> GenerationSettings:
+    values = dict(max_tokens=1024, concurrency_per_server=8, retry_backoff_s=0.02,
+                  retry_backoff_max_s=0.2, probe_interval_s=0.1, progress_interval_s=0.5,
+                  all_down_timeout_s=10)
+    values.update(overrides)
+    return GenerationSettings(**values)
+
+
+def endpoints(records):
+    return [(r.url, r.api_key) for r in records]
+
+
+def subset(tmp_path, count, extra=()):
+    lines = PROMPTS.read_text().splitlines()[:count]
+    path = tmp_path / f"prompts-{count}.jsonl"
+    path.write_text("\n".join([*lines, *extra]) + "\n")
+    return path
+
+
+def sim_requests_total(url: str) -> int:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("sglang:num_requests_total"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    raise AssertionError("no sglang:num_requests_total")
+
+
+def sim_running(url: str) -> int:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("sglang:num_running_reqs"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    raise AssertionError("no sglang:num_running_reqs")
+
+
+def test_shards_write_every_id_once_with_the_design_columns(sim_servers, tmp_path):
+    cfg, records = sim_servers(num_servers=2)
+    out = tmp_path / "ds"
+    results = [generate_shard(PROMPTS, out, endpoints(records), s, 3, fast_settings()) for s in range(3)]
+    df = pd.read_parquet(out / "data")
+    assert sorted(df["id"]) == sorted(read_ids(PROMPTS))
+    assert sum(r.total for r in results) == len(df)
+    assert sorted(p.name for p in (out / "data").iterdir()) == [
+        f"{shard_name(s, 3)}.parquet" for s in range(3)]
+    assert df["error"].isna().all()
+    assert set(df["server"]) == {r.url for r in records}  # both servers took work
+    assert list(df["messages"].iloc[0][0].keys()) == ["role", "content"]
+    progress = json.loads((out / "progress.json").read_text())
+    assert progress["done"] == progress["total"] == len(df)
+    assert not list((out / "work" / "journal").glob("*.jsonl"))  # journals folded into data/
+
+
+def test_http_500s_and_hung_requests_are_retried_until_the_dataset_is_complete(sim_servers, tmp_path):
+    cfg, records = sim_servers(num_servers=2, sim_failure_rate=0.2, sim_hang_rate=0.1)
+    prompts = subset(tmp_path, 60)
+    settings = fast_settings(max_attempts=12, request_timeout_s=1.0, failures_before_down=1000)
+    result = generate_shard(prompts, tmp_path / "ds", endpoints(records), 0, 1, settings)
+    df = pd.read_parquet(tmp_path / "ds" / "data")
+    assert sorted(df["id"]) == sorted(read_ids(prompts))
+    assert df["error"].isna().all(), df["error"].dropna().tolist()
+    assert (df["attempts"] > 1).sum() >= 5  # faults did happen, and were absorbed
+    assert result.failed == 0
+
+
+def test_a_server_killed_mid_shard_is_dropped_and_the_others_finish(sim_servers, tmp_path):
+    cfg, records = sim_servers(num_servers=2, sim_tokens_per_second=400)
+    victim = records[1]
+    seen = []
+
+    def kill_after_20(row):
+        seen.append(row)
+        if len(seen) == 20:
+            os.killpg(victim.pid, signal.SIGKILL)
+
+    prompts = subset(tmp_path, 120)
+    result = generate_shard(prompts, tmp_path / "ds", endpoints(records), 0, 1,
+                            fast_settings(max_attempts=4), on_row=kill_after_20)
+    df = pd.read_parquet(tmp_path / "ds" / "data")
+    assert sorted(df["id"]) == sorted(read_ids(prompts))
+    assert df["error"].isna().all()
+    assert result.failed == 0
+    # Rows are in journal order: well after the kill, every row came from the survivor.
+    assert (df["server"].iloc[20:] == records[0].url).sum() >= 100 - 16
+    assert (df["server"].iloc[40:] == records[0].url).all()
+
+
+def test_a_prompt_too_long_for_the_context_becomes_an_error_row_without_retries(sim_servers, tmp_path):
+    cfg, records = sim_servers(num_servers=1)
+    huge = json.dumps({"id": "too-long", "prompt": "word " * 9000})
+    prompts = subset(tmp_path, 40, extra=[huge])
+    result = generate_shard(prompts, tmp_path / "ds", endpoints(records), 0, 1, fast_settings())
+    df = pd.read_parquet(tmp_path / "ds" / "data").set_index("id")
+    assert len(df) == 41
+    row = df.loc["too-long"]
+    assert row["error"].startswith("HTTP 400: Requested token count exceeds")
+    assert row["attempts"] == 1
+    assert result.failed == 1
+    assert sim_requests_total(records[0].url) == 41  # one request for it, never retried
+
+
+def test_a_shard_with_too_many_errors_fails_and_keeps_what_it_finished(sim_servers, tmp_path):
+    cfg, records = sim_servers(num_servers=1, sim_failure_rate=1.0)
+    with pytest.raises(ShardFailed, match="max_error_fraction"):
+        generate_shard(subset(tmp_path, 40), tmp_path / "ds", endpoints(records), 0, 1,
+                       fast_settings(max_attempts=2, failures_before_down=1000))
+    assert not (tmp_path / "ds" / "data").exists()
+
+
+def test_no_server_answering_fails_with_what_to_do(tmp_path):
+    with pytest.raises(ShardFailed, match="no server answers .* start them first"):
+        generate_shard(PROMPTS, tmp_path / "ds", [("http://127.0.0.1:9", None)], 0, 1, fast_settings())
+
+
+@pytest.mark.slow
+def test_sigkill_at_half_then_rerun_gives_every_id_once_and_resends_nothing(sim_servers, tmp_path):
+    cfg, records = sim_servers(num_servers=2, sim_tokens_per_second=300)
+    out = tmp_path / "ds"
+    argv = [str(BIN / "regen"), "generate", "--prompts", str(PROMPTS), "--output", str(out),
+            "--endpoints", ",".join(r.url for r in records), "--api-key", records[0].api_key,
+            "--shard", "0", "--num-shards", "1", "--max-tokens", "1024",
+            "--concurrency-per-server", "6"]
+    total = len(read_ids(PROMPTS))
+    journal = out / "work" / "journal" / f"{shard_name(0, 1)}.jsonl"
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: journal.exists() and journal.read_bytes().count(b"\n") >= total // 2,
+                   timeout=120, what="half the shard journaled")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    for r in records:  # requests that were in flight at the kill finish on the servers first
+        wait_until(lambda: sim_running(r.url) == 0, timeout=30)
+    kept = {row["id"] for row in Journal.rows(journal)}
+    assert total // 2 <= len(kept) < total
+    sent_before = sum(sim_requests_total(r.url) for r in records)
+    rerun = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    sent_during_rerun = sum(sim_requests_total(r.url) for r in records) - sent_before
+    assert sent_during_rerun == total - len(kept)  # no request for an id that had a row
+    df = pd.read_parquet(out / "data")
+    assert len(df) == total and df["id"].is_unique
+    assert sorted(df["id"]) == sorted(read_ids(PROMPTS))
+
+
+def test_a_full_disk_fails_the_shard_clearly_and_leaves_data_clean(sim_servers, tmp_path):
+    mount = tmp_path / "full"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], check=True)
+    try:
+        cfg, records = sim_servers(num_servers=1)
+        with pytest.raises(ShardFailed, match="No space left on device"):
+            generate_shard(PROMPTS, mount / "ds", endpoints(records), 0, 1, fast_settings())
+        data = mount / "ds" / "data"
+        assert not data.exists() or list(data.iterdir()) == []
+        # What was journaled before the disk filled is kept for the rerun.
+        assert (mount / "ds" / "work" / "journal" / f"{shard_name(0, 1)}.jsonl").stat().st_size > 0
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
