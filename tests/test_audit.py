@@ -1,0 +1,178 @@
+"""The loss-mask audit, with the real Qwen3 tokenizer and template and with the tiny one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import BIN, ROOT
+from regen.audit import AuditThresholds, audit_dataset
+from regen.chat import QWEN, load_tokenizer, loss_masks, render, training_messages
+from regen.generate import ROW_SCHEMA
+
+QUESTION = [{"role": "user", "content": "Reply with OK."}]
+
+
+def row(i, reasoning="Let me think about this step by step. " * 6, content="The answer is 4.",
+        finish="stop", error=None, thinking=True, messages=QUESTION, completion=60, rid=None):
+    return {"id": rid or f"s{i}", "messages": messages, "reasoning_content": reasoning,
+            "content": content, "finish_reason": finish, "prompt_tokens": 10,
+            "completion_tokens": completion, "error": error, "enable_thinking": thinking,
+            "model": "m", "server": "http://s", "attempts": 1, "latency_s": 1.0,
+            "settings_hash": "x"}
+
+
+def write_dataset(path, rows, files=2):
+    path.mkdir(parents=True)
+    for f in range(files):
+        part = rows[f::files]
+        pq.write_table(pa.Table.from_pylist(part, schema=ROW_SCHEMA), path / f"shard-{f}.parquet")
+    return path
+
+
+def reference_mask(tokenizer, text):
+    """Independent and slow: SpecForge's arithmetic, one prefix encoding per span edge, through
+    the tokenizer's Python API (not the batched Rust path the audit uses)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    mask = [0] * len(ids)
+    for match in QWEN.assistant_span.finditer(text):
+        start = len(tokenizer.encode(text[: match.start(1)], add_special_tokens=False))
+        end = len(tokenizer.encode(text[: match.end(1)], add_special_tokens=False))
+        mask[start:end] = [1] * (end - start)
+    return mask
+
+
+def test_the_no_thinking_ok_answer_is_eight_tokens_with_the_real_qwen3_tokenizer(qwen3_tokenizer_dir):
+    tok = load_tokenizer(str(qwen3_tokenizer_dir))
+    for thinking in (False, True):
+        text = render(tok, [training_messages(QUESTION, None, "OK.")], thinking)[0]
+        mask = loss_masks(tok, [text])[0]
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        learned = tok.decode([t for t, m in zip(ids, mask) if m])
+        assert sum(mask) == 8
+        assert learned == "<think>\n\n</think>\n\nOK.<|im_end|>\n"
+
+
+SAMPLES = [
+    (QUESTION, "Two plus two is four.", "4"),
+    (QUESTION, None, "OK."),
+    (QUESTION, "", ""),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Größe? 日本語 ✓"}],
+     "Unicode: naïve café — 東京.\n\nNew paragraph.", "  spaced answer\n\n"),
+    ([{"role": "user", "content": "First?"}, {"role": "assistant", "content": "Earlier answer."},
+      {"role": "user", "content": "And then?"}], "Think twice.\nTwice.", "Then this."),
+    ([{"role": "user", "content": "Code?"}], "Write code.", "```python\nprint('<|im_end|>')\n```"),
+    ([{"role": "user", "content": "Tabs\tand\r\nCRLF"}], "\n\nleading newlines", "x" * 500),
+]
+
+
+@pytest.mark.parametrize("which", ["qwen3", "tiny"])
+def test_mask_matches_the_slow_reference_token_by_token(which, qwen3_tokenizer_dir, tiny_model):
+    tok = load_tokenizer(str(qwen3_tokenizer_dir if which == "qwen3" else tiny_model))
+    samples = list(SAMPLES) + demo_samples()
+    for thinking in (True, False):
+        texts = render(tok, [training_messages(m, r, c) for m, r, c in samples], thinking)
+        compared = 0
+        for text, mask in zip(texts, loss_masks(tok, texts)):
+            assert mask == reference_mask(tok, text), text
+            compared += len(mask)
+        assert compared > 20_000
+
+
+def demo_samples():
+    """The demo prompts with the simulator's answers: realistic shapes, 280 of them."""
+    from regen.prompts import Prompt, read_prompts
+    from regen.sim import compose
+
+    out = []
+    for prompt in read_prompts(ROOT / "demo" / "prompts.jsonl"):
+        if isinstance(prompt, Prompt):
+            reasoning, answer = compose(prompt.messages, thinking=True, seed=None)
+            out.append((prompt.messages, " ".join(reasoning), " ".join(answer)))
+    return out
+
+
+def test_templates_that_drop_earlier_reasoning_are_rendered_as_training_sees_them(qwen3_tokenizer_dir):
+    tok = load_tokenizer(str(qwen3_tokenizer_dir))
+    history = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
+               {"role": "user", "content": "Q2"}]
+    text = render(tok, [training_messages(history, "R2", "A2")], True)[0]
+    assert "<|im_start|>assistant\nA1<|im_end|>\n" in text  # earlier turn: no think block
+    assert "<think>\nR2\n</think>\n\nA2<|im_end|>\n" in text
+    mask = loss_masks(tok, [text])[0]
+    assert mask == reference_mask(tok, text)
+    # Both assistant turns count, as SpecForge's ThinkingParser trains on every assistant span.
+    a1 = len(tok.encode("A1<|im_end|>\n", add_special_tokens=False))
+    last = len(tok.encode("<think>\nR2\n</think>\n\nA2<|im_end|>\n", add_special_tokens=False))
+    assert sum(mask) == a1 + last
+
+
+def test_the_seeds_dataset_87_percent_ok_fails_with_fraction_087(tmp_path, qwen3_tokenizer_dir):
+    rows = [row(i, reasoning=None, content="OK.", completion=6) for i in range(870)]
+    rows += [row(870 + i) for i in range(130)]
+    data = write_dataset(tmp_path / "data", rows)
+    out = subprocess.run([str(BIN / "regen"), "audit", "--data", str(data), "--tokenizer",
+                          str(qwen3_tokenizer_dir), "--report", str(tmp_path / "report"),
+                          "--max-degenerate-fraction", "0.01"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 1, out.stderr
+    assert "degenerate fraction 0.8700" in out.stdout
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert summary["verdict"] == "FAIL"
+    assert summary["degenerate_fraction"] == 0.87
+    assert summary["counts"]["missing_reasoning"] == 870
+    samples = pd.read_parquet(tmp_path / "report" / "samples.parquet").set_index("id")
+    assert len(samples) == 1000
+    assert samples.loc["s0", "loss_tokens"] == 8
+    assert "degenerate" in samples.loc["s0", "findings"]
+    assert list(samples.loc["s999", "findings"]) == []
+    html = (tmp_path / "report" / "report.html").read_text()
+    assert 'id="verdict">FAIL' in html and html.count("data:image/png;base64,") == 2
+
+
+def test_a_healthy_dataset_passes(tmp_path, tiny_model):
+    data = write_dataset(tmp_path / "data", [row(i) for i in range(50)])
+    report = audit_dataset(data, tiny_model, tmp_path / "report", AuditThresholds(16, 0.01))
+    assert report.passed
+    assert report.summary.counts == {f: 0 for f in report.summary.counts}
+    assert len(report.lines()) == 5
+
+
+@pytest.mark.parametrize("bad, finding", [
+    (dict(reasoning=None), "missing_reasoning"),
+    (dict(finish="length"), "truncated"),
+    (dict(reasoning="half a thought", content="", finish="length"), "truncated_in_thinking"),
+    (dict(content="<think>\nleft in content, the parser never split it"), "think_markers_in_content"),
+    (dict(content=""), "empty_answer"),
+    (dict(reasoning=None, content=None, finish=None, error="HTTP 400: too long"), "error"),
+    (dict(rid="s1"), "duplicate_id"),
+    (dict(reasoning="ok", content="ok"), "degenerate"),
+])
+def test_each_finding_is_reported(tmp_path, tiny_model, bad, finding):
+    rows = [row(i) for i in range(20)] + [row(99, **bad)]
+    data = write_dataset(tmp_path / "data", rows, files=1)
+    report = audit_dataset(data, tiny_model, tmp_path / "report", AuditThresholds(16, 0.5))
+    assert report.summary.counts[finding] == 1
+    samples = pd.read_parquet(tmp_path / "report" / "samples.parquet")
+    assert finding in samples.iloc[-1]["findings"]
+
+
+def test_thinking_off_rows_are_not_blamed_for_missing_reasoning(tmp_path, tiny_model):
+    rows = [row(i, reasoning=None, content="A long enough answer " * 8, thinking=False)
+            for i in range(10)]
+    report = audit_dataset(write_dataset(tmp_path / "data", rows), tiny_model, tmp_path / "r")
+    assert report.summary.counts["missing_reasoning"] == 0
+    assert report.passed
+
+
+def test_audit_of_an_empty_directory_is_a_clear_error(tmp_path, tiny_model):
+    (tmp_path / "data").mkdir()
+    out = subprocess.run([str(BIN / "regen"), "audit", "--data", str(tmp_path / "data"),
+                          "--tokenizer", str(tiny_model)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "no Parquet files to audit" in out.stderr

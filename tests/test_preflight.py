@@ -1,0 +1,191 @@
+"""Preflight: every problem found before any GPU time, one clear line each."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+import yaml
+
+from conftest import BIN, ROOT, processes_with_args
+from regen.preflight import check_code, run_preflight
+
+SEED_BUG = '''
+
+MAX_OUTPUT_TOKENS = 4096
+CONCURRENCY_PER_SERVER = 48
+
+
+def configure(args):
+    if MAX_OUTPUT_TOKENS > args.max_tokens:
+        pass
+    global MAX_OUTPUT_TOKENS, CONCURRENCY_PER_SERVER
+    MAX_OUTPUT_TOKENS = args.max_tokens
+'''
+
+
+@pytest.fixture
+def project_with_seed_bug(tmp_path):
+    """A copy of the project whose generator module carries the bug that idled seven B200s."""
+    copy = tmp_path / "project"
+    for part in ("include", "dags", "demo"):
+        shutil.copytree(ROOT / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
+    generator = copy / "include" / "regen" / "generate.py"
+    source = generator.read_text()
+    generator.write_text(source + SEED_BUG)
+    line = source.count("\n") + SEED_BUG.splitlines().index(
+        "    global MAX_OUTPUT_TOKENS, CONCURRENCY_PER_SERVER") + 1
+    return copy, generator, line
+
+
+def test_the_seeds_global_after_use_bug_is_reported_with_file_and_line(project_with_seed_bug):
+    copy, generator, line = project_with_seed_bug
+    files = sorted((copy / "include" / "regen").rglob("*.py")) + sorted((copy / "dags").glob("*.py"))
+    problems = check_code(files=files)
+    assert problems == [f"{generator}:{line}: SyntaxError: name 'MAX_OUTPUT_TOKENS' is used prior "
+                        f"to global declaration"]
+
+
+def test_clean_code_passes_compile_and_import():
+    assert check_code() == []
+
+
+def test_an_import_error_is_reported_from_a_fresh_interpreter(tmp_path):
+    (tmp_path / "broken_hook.py").write_text("import no_such_module_anywhere\n")
+    env_path = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = f"{tmp_path}:{env_path}"
+    try:
+        problems = check_code(files=[tmp_path / "broken_hook.py"], entry_points=("broken_hook",))
+    finally:
+        os.environ["PYTHONPATH"] = env_path
+    assert len(problems) == 1
+    assert "import broken_hook fails" in problems[0]
+    assert "No module named 'no_such_module_anywhere'" in problems[0]
+
+
+@pytest.mark.slow
+def test_the_dag_fails_at_preflight_before_staging_or_any_server(project_with_seed_bug, make_config,
+                                                                  tmp_path):
+    copy, generator, line = project_with_seed_bug
+    cfg = make_config()
+    env = dict(os.environ, PYTHONPATH=str(copy / "include"),
+               AIRFLOW__CORE__DAGS_FOLDER=str(copy / "dags"))
+    started = time.monotonic()
+    out = subprocess.run([str(BIN / "airflow"), "dags", "test", "regenerate_dataset", "--conf",
+                          cfg.model_dump_json()], capture_output=True, text=True, env=env, timeout=300)
+    elapsed = time.monotonic() - started
+    log = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert f"{generator}:{line}: SyntaxError: name 'MAX_OUTPUT_TOKENS'" in log
+    assert not (tmp_path / "shm").exists()  # no weights staged
+    for i in range(cfg.num_servers):
+        assert processes_with_args("--port", str(cfg.base_port + i)) == []
+    assert not (tmp_path / "out" / "work" / "servers").exists()  # no server ever launched
+    assert elapsed < 120  # measured in bench/preflight_fail_fast.py
+
+
+def problems_for(make_config, **overrides):
+    return run_preflight(make_config(**overrides), code=False).problems
+
+
+def test_a_clean_config_has_no_problem(make_config):
+    assert problems_for(make_config) == []
+
+
+def test_missing_model_path(make_config, tmp_path):
+    assert problems_for(make_config, model_path=str(tmp_path / "nope")) == [
+        f"model_path {tmp_path / 'nope'}: directory not found"]
+
+
+def test_missing_prompts_file(make_config, tmp_path):
+    assert problems_for(make_config, prompts=str(tmp_path / "none.jsonl")) == [
+        f"prompts {tmp_path / 'none.jsonl'}: file not found"]
+
+
+def test_duplicate_ids_and_bad_lines_are_listed_with_file_and_line(make_config, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n{oops\n'
+                    '{"id": "a", "prompt": "z"}\n')
+    problems = problems_for(make_config, prompts=str(path))
+    assert problems[0].startswith(f"{path}:3: not valid JSON")
+    assert problems[1] == f"{path}:4: duplicate id 'a' (first at line 1)"
+    assert len(problems) == 2
+
+
+def test_a_template_that_prefills_an_empty_think_block(make_config, tiny_model, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    template = (model / "chat_template.jinja").read_text()
+    template = template.replace("{%- if enable_thinking is defined and enable_thinking is false %}",
+                                "{%- if true %}")
+    (model / "chat_template.jinja").write_text(template)
+    problems = problems_for(make_config, model_path=str(model))
+    assert problems == [f"model_path {model}: chat template pre-fills an empty think block with "
+                        f"enable_thinking=true: the model would answer without reasoning"]
+
+
+def test_prompt_plus_max_tokens_over_the_context(make_config):
+    problems = problems_for(make_config, max_tokens=8190)
+    assert len(problems) == 1
+    assert "max_tokens 8190 + longest prompt" in problems[0]
+    assert "passes the context length 8192" in problems[0]
+
+
+def test_too_little_space_for_output_and_staging(make_config, tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], check=True)
+    try:
+        problems = problems_for(make_config, output=str(mount / "out"), staging_dir=str(mount / "shm"),
+                                max_tokens=4096)
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+    assert any(p.startswith(f"output {mount / 'out'}: needs about") and "free" in p for p in problems)
+    assert any(p.startswith(f"staging_dir {mount / 'shm'}: needs") for p in problems)
+    assert len(problems) == 2
+
+
+def test_a_taken_port(make_config):
+    cfg = make_config()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", cfg.base_port + 1))
+        sock.listen()
+        problems = run_preflight(cfg, code=False).problems
+    assert problems == [f"port {cfg.base_port + 1} on 127.0.0.1 already in use: free them or change "
+                        f"base_port"]
+
+
+def test_engine_combinations(make_config):
+    problems = problems_for(make_config, engine="vllm", reasoning_parser="qwen3-thinking",
+                            max_mamba_cache_size=80, concurrency_per_server=64,
+                            max_running_requests=32)
+    assert any("reasoning_parser 'qwen3-thinking': engine vllm has no such parser" in p for p in problems)
+    assert any(p.startswith("max_mamba_cache_size: SGLang option with no vLLM equivalent") for p in problems)
+    assert any("concurrency_per_server 64 is above max_running_requests 32" in p for p in problems)
+
+
+def test_every_problem_is_listed_at_once(make_config, tmp_path):
+    problems = problems_for(make_config, model_path=str(tmp_path / "m"), prompts=str(tmp_path / "p"),
+                            reasoning_parser=None)
+    assert len(problems) == 3
+
+
+def test_cli_exit_codes_and_one_line_per_problem(make_config, tmp_path):
+    cfg = make_config()
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(json.loads(cfg.model_dump_json())))
+    ok = subprocess.run([str(BIN / "regen"), "preflight", "--config", str(good)],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.stdout == ""
+    bad = subprocess.run([str(BIN / "regen"), "preflight", "--config", str(good), "--model-path",
+                          str(tmp_path / "missing"), "--prompts", str(tmp_path / "none.jsonl")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1
+    assert bad.stdout.splitlines() == [f"prompts {tmp_path / 'none.jsonl'}: file not found",
+                                       f"model_path {tmp_path / 'missing'}: directory not found"]
