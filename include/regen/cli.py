@@ -202,6 +202,18 @@ def cmd_audit(args) -> int:
     return 0 if report.passed else EXIT_FAILED
 
 
+def cmd_export(args) -> int:
+    from regen.export import export_sharegpt
+
+    try:
+        result = export_sharegpt(args.data, args.out, expect_reasoning=args.expect_reasoning)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(result.summary())
+    return 0
+
+
 def cmd_config(args) -> int:
     cfg = load_config(args)
     print(cfg.model_dump_json() if args.json else cfg.to_yaml(), end="\n" if args.json else "")
@@ -278,6 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-thinking", dest="enable_thinking", action="store_false", default=None,
                    help="rows without enable_thinking were generated with thinking off")
     p.set_defaults(func=cmd_audit)
+
+    p = sub.add_parser("export", help="write the dataset as SpecForge/DFlash training JSONL")
+    p.add_argument("--data", required=True, help="the dataset's data/ directory")
+    p.add_argument("--format", choices=["sharegpt"], default="sharegpt")
+    p.add_argument("--out", required=True, type=Path, help="JSONL file to write")
+    p.add_argument("--expect-reasoning", action=argparse.BooleanOptionalAction, default=True,
+                   help="leave out rows without reasoning (default), as training with thinking needs")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("config", help="print the validated config (YAML, or JSON for --conf)")
     _add_config_flags(p)
