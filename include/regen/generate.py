@@ -11,6 +11,7 @@ renamed into it, so ``data/`` never holds half a file.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -104,6 +105,9 @@ class Endpoint:
     failed: int = 0
     tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # One connection pool per server: httpx scans its whole pool on every request, so a shared
+    # pool over many servers' connections costs more CPU than the requests themselves.
+    client: httpx.AsyncClient | None = field(default=None, repr=False)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -117,10 +121,8 @@ class AllServersDown(ShardFailed):
 class ServerPool:
     """Least-outstanding dispatch with per-server limits, and health probing of dropped servers."""
 
-    def __init__(self, endpoints: list[Endpoint], client: httpx.AsyncClient,
-                 settings: GenerationSettings):
+    def __init__(self, endpoints: list[Endpoint], settings: GenerationSettings):
         self.endpoints = endpoints
-        self.client = client
         self.settings = settings
         self.cond = asyncio.Condition()
         self._down_since: float | None = None
@@ -176,7 +178,7 @@ class ServerPool:
         while True:
             await asyncio.sleep(self.settings.probe_interval_s)
             try:
-                response = await self.client.get(f"{endpoint.url}/health", timeout=5.0)
+                response = await endpoint.client.get(f"{endpoint.url}/health", timeout=5.0)
             except httpx.HTTPError:
                 continue
             if response.status_code == 200:
@@ -192,12 +194,17 @@ class ServerPool:
             task.cancel()
 
 
-async def discover(client: httpx.AsyncClient, url: str, api_key: str | None,
-                   settings: GenerationSettings) -> Endpoint:
+def _timeout(settings: GenerationSettings) -> httpx.Timeout:
+    return httpx.Timeout(connect=10.0, read=settings.request_timeout_s, write=60.0, pool=None)
+
+
+async def discover(url: str, api_key: str | None, settings: GenerationSettings) -> Endpoint:
     """The served model name and how many requests the server can run at once."""
     endpoint = Endpoint(url=url.rstrip("/"), api_key=api_key)
+    endpoint.client = httpx.AsyncClient(timeout=_timeout(settings))
     try:
-        models = await client.get(f"{endpoint.url}/v1/models", headers=endpoint.headers, timeout=10)
+        models = await endpoint.client.get(f"{endpoint.url}/v1/models", headers=endpoint.headers,
+                                           timeout=10)
         models.raise_for_status()
         endpoint.model = models.json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
@@ -205,17 +212,36 @@ async def discover(client: httpx.AsyncClient, url: str, api_key: str | None,
         log.warning("server %s not answering /v1/models (%s)", url, exc)
     limit = settings.concurrency_per_server
     if limit is None:
-        limit = await _server_limit(client, endpoint)
+        limit = await _server_limit(endpoint)
     endpoint.limit = max(1, limit or DEFAULT_CONCURRENCY)
     return endpoint
 
 
-async def _server_limit(client: httpx.AsyncClient, endpoint: Endpoint) -> int | None:
+@contextlib.asynccontextmanager
+async def open_endpoints(endpoints: list[tuple[str, str | None]], settings: GenerationSettings):
+    """Discovered endpoints with their own connection pools, closed on the way out."""
+    eps: list[Endpoint] = []
+    try:
+        for url, key in endpoints:
+            eps.append(await discover(url, key, settings))
+        if not any(e.healthy for e in eps):
+            raise AllServersDown(
+                f"no server answers ({', '.join(e.url for e in eps)}): start them first "
+                f"(clear start_servers too, or run `regen serve`) and rerun the shard"
+            )
+        yield eps
+    finally:
+        for endpoint in eps:
+            await endpoint.client.aclose()
+
+
+async def _server_limit(endpoint: Endpoint) -> int | None:
     """From /server_info; the effective per-DP value in internal_states wins (lower on hybrid
     Mamba models than the CLI value: SGLang issue 38846)."""
     for path in ("/server_info", "/get_server_info"):
         try:
-            response = await client.get(f"{endpoint.url}{path}", headers=endpoint.headers, timeout=10)
+            response = await endpoint.client.get(f"{endpoint.url}{path}", headers=endpoint.headers,
+                                                 timeout=10)
             if response.status_code != 200:
                 continue
             info = response.json()
@@ -247,7 +273,12 @@ class Generator:
         self.failed = 0
         self.tokens = 0
         self.recent: deque[tuple[float, int]] = deque()
-        self.permanent_failures = 0
+        self._hashes: dict[str | None, str] = {}
+
+    def settings_hash(self, model: str | None) -> str:
+        if model not in self._hashes:
+            self._hashes[model] = self.settings.settings_hash(model)
+        return self._hashes[model]
 
     def payload(self, endpoint: Endpoint, prompt: Prompt) -> dict[str, Any]:
         s = self.settings
@@ -276,7 +307,7 @@ class Generator:
             endpoint = await self.pool.acquire(avoid=endpoint)
             retry = True
             try:
-                response = await self.pool.client.post(
+                response = await endpoint.client.post(
                     f"{endpoint.url}/v1/chat/completions", json=self.payload(endpoint, prompt),
                     headers=endpoint.headers,
                 )
@@ -336,7 +367,7 @@ class Generator:
             "server": endpoint.url,
             "attempts": attempt,
             "latency_s": round(time.monotonic() - started, 3),
-            "settings_hash": self.settings.settings_hash(endpoint.model),
+            "settings_hash": self.settings_hash(endpoint.model),
         }
 
     def error_row(self, prompt: Prompt, endpoint: Endpoint, error: str, attempts: int,
@@ -348,7 +379,7 @@ class Generator:
             "enable_thinking": self.settings.enable_thinking, "model": endpoint.model,
             "server": endpoint.url, "attempts": attempts,
             "latency_s": round(time.monotonic() - started, 3),
-            "settings_hash": self.settings.settings_hash(endpoint.model),
+            "settings_hash": self.settings_hash(endpoint.model),
             "retryable": retryable,
         }
 
@@ -575,17 +606,9 @@ async def _generate_shard(prompts_path: Path, output: Path, endpoints: list[tupl
     log.info("%s: %d prompts, %d already have a row, %d to send", name, total, skipped,
              total - skipped)
     journal = Journal(journal_path)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(connect=10.0, read=settings.request_timeout_s, write=60.0, pool=None)
     try:
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            eps = [await discover(client, url, key, settings) for url, key in endpoints]
-            if not any(e.healthy for e in eps):
-                raise AllServersDown(
-                    f"no server answers ({', '.join(e.url for e in eps)}): start them first "
-                    f"(clear start_servers too, or run `regen serve`) and rerun the shard"
-                )
-            pool = ServerPool(eps, client, settings)
+        async with open_endpoints(endpoints, settings) as eps:
+            pool = ServerPool(eps, settings)
 
             def sink(row: dict) -> None:
                 try:
@@ -629,7 +652,7 @@ async def _generate_shard(prompts_path: Path, output: Path, endpoints: list[tupl
             async def reporter() -> None:
                 while True:
                     await asyncio.sleep(settings.progress_interval_s)
-                    await asyncio.gather(*(_scrape_metrics(client, e) for e in eps))
+                    await asyncio.gather(*(_scrape_metrics(e) for e in eps))
                     data = report()
                     log.info("shard %d/%d: %s/%s done, %d failed, %s tok/s, ETA %s", shard, num_shards,
                              f"{data['done']:,}", f"{total:,}", data["failed"],
@@ -665,13 +688,13 @@ async def _generate_shard(prompts_path: Path, output: Path, endpoints: list[tupl
     return result
 
 
-async def _scrape_metrics(client: httpx.AsyncClient, endpoint: Endpoint) -> None:
+async def _scrape_metrics(endpoint: Endpoint) -> None:
     """The few SGLang/vLLM gauges worth a glance: running, queued, throughput, accept length."""
     wanted = {"num_running_reqs": "running", "num_queue_reqs": "queued",
               "gen_throughput": "gen_throughput", "spec_accept_length": "spec_accept_length",
               "num_requests_running": "running", "num_requests_waiting": "queued"}
     try:
-        response = await client.get(f"{endpoint.url}/metrics", timeout=3.0)
+        response = await endpoint.client.get(f"{endpoint.url}/metrics", timeout=3.0)
     except httpx.HTTPError:
         return
     if response.status_code != 200:
@@ -695,12 +718,8 @@ def generate_rows(prompts: list[Prompt], endpoints: list[tuple[str, str | None]]
     """Generate a handful of prompts in memory (the canary), through the same client."""
     async def run() -> list[dict]:
         rows: list[dict] = []
-        timeout = httpx.Timeout(connect=10.0, read=settings.request_timeout_s, write=60.0, pool=None)
-        async with httpx.AsyncClient(timeout=timeout) as client:
-            eps = [await discover(client, url, key, settings) for url, key in endpoints]
-            if not any(e.healthy for e in eps):
-                raise AllServersDown(f"no server answers ({', '.join(e.url for e in eps)})")
-            pool = ServerPool(eps, client, settings)
+        async with open_endpoints(endpoints, settings) as eps:
+            pool = ServerPool(eps, settings)
             try:
                 await Generator(pool, settings, rows.append).run(prompts)
             finally:
