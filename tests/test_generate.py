@@ -102,6 +102,20 @@ def test_a_server_killed_mid_shard_is_dropped_and_the_others_finish(sim_servers,
     assert (df["server"].iloc[40:] == records[0].url).all()
 
 
+def test_concurrency_comes_from_the_server_and_never_passes_what_it_can_run(sim_servers, tmp_path):
+    cfg, records = sim_servers(num_servers=2, max_running_requests=8, sim_tokens_per_second=2000,
+                               extra_server_args=["--sim-effective-max-running-requests", "3"])
+    result = generate_shard(subset(tmp_path, 80), tmp_path / "ds", endpoints(records), 0, 1,
+                            fast_settings(concurrency_per_server=None))
+    assert result.done == 80
+    progress = json.loads((tmp_path / "ds" / "progress.json").read_text())
+    limits = [s["limit"] for s in progress["shards"]["shard-00000"]["servers"].values()]
+    assert limits == [3, 3]  # the effective value, not the CLI's 8
+    for r in records:
+        info = httpx.get(f"{r.url}/server_info").json()["internal_states"][0]
+        assert info["waited_requests_total"] == 0  # never more in flight than the server runs
+
+
 def test_a_prompt_too_long_for_the_context_becomes_an_error_row_without_retries(sim_servers, tmp_path):
     cfg, records = sim_servers(num_servers=1)
     huge = json.dumps({"id": "too-long", "prompt": "word " * 9000})

@@ -63,13 +63,13 @@ def estimate_run(rows: list[dict], total_prompts: int, slots: int) -> dict:
                     f"{rate:,.0f} tok/s"}
 
 
-def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]], slots: int) -> CanaryResult:
+def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> CanaryResult:
     prompts, total = first_prompts(cfg.prompts, cfg.canary_size)
     if not prompts:
         raise CanaryFailed(f"prompts {cfg.prompts}: no readable prompt for the canary")
     settings = GenerationSettings.from_config(cfg)
     settings.max_attempts = min(settings.max_attempts, 3)
-    rows = generate_rows(prompts, endpoints, settings)
+    rows, slots = generate_rows(prompts, endpoints, settings)
     thresholds = AuditThresholds(cfg.min_loss_tokens, cfg.max_degenerate_fraction)
     summary, results = audit_rows(rows, cfg.model_path, thresholds, cfg.enable_thinking)
     result = CanaryResult(rows)

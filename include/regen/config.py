@@ -163,7 +163,7 @@ class RunConfig(BaseModel):
         None,
         ge=1,
         title="Max running requests",
-        description="Per server. Also the client's default in-flight limit per server.",
+        description="Per server (`--max-running-requests`).",
         json_schema_extra=_section("Servers"),
     )
     max_mamba_cache_size: int | None = Field(
@@ -246,8 +246,8 @@ class RunConfig(BaseModel):
         None,
         ge=1,
         title="Concurrency per server",
-        description="Requests in flight per server. Empty: `max_running_requests`, else what "
-        "the server reports.",
+        description="Requests in flight per server. Empty: what the server reports it can run "
+        "(`/server_info`); never more than that.",
         json_schema_extra=_section("Generation"),
     )
     request_timeout_s: float = Field(

@@ -79,7 +79,7 @@ class GenerationSettings:
         return cls(
             max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
             top_k=cfg.top_k, seed=cfg.seed, enable_thinking=cfg.enable_thinking,
-            concurrency_per_server=cfg.concurrency_per_server or cfg.max_running_requests,
+            concurrency_per_server=cfg.concurrency_per_server,
             request_timeout_s=cfg.request_timeout_s, max_attempts=cfg.max_attempts,
             max_error_fraction=cfg.max_error_fraction,
         )
@@ -108,6 +108,8 @@ class Endpoint:
     # One connection pool per server: httpx scans its whole pool on every request, so a shared
     # pool over many servers' connections costs more CPU than the requests themselves.
     client: httpx.AsyncClient | None = field(default=None, repr=False)
+    latency_s: float | None = None  # moving average of a successful request's latency
+    starts: dict[int, float] = field(default_factory=dict)  # in flight: ticket -> start time
 
     @property
     def headers(self) -> dict[str, str]:
@@ -119,12 +121,21 @@ class AllServersDown(ShardFailed):
 
 
 class ServerPool:
-    """Least-outstanding dispatch with per-server limits, and health probing of dropped servers."""
+    """Dispatch within per-server limits, and health probing of dropped servers.
+
+    While prompts are waiting, a request goes to the server with the fewest outstanding requests
+    (every slot stays busy, so each server takes work at the rate it finishes it). Once the shard
+    drains, each last request goes where it is expected to *finish* first, waiting for a fast
+    server's slot rather than starting on a slow one: the tail is what separates a shard's
+    makespan from the ideal.
+    """
 
     def __init__(self, endpoints: list[Endpoint], settings: GenerationSettings):
         self.endpoints = endpoints
         self.settings = settings
         self.cond = asyncio.Condition()
+        self.draining = False
+        self._tickets = 0
         self._down_since: float | None = None
         self._probes: set[asyncio.Task] = set()
 
@@ -132,18 +143,23 @@ class ServerPool:
     def capacity(self) -> int:
         return sum(e.limit for e in self.endpoints)
 
-    async def acquire(self, avoid: Endpoint | None = None) -> Endpoint:
+    async def acquire(self, avoid: Endpoint | None = None) -> tuple[Endpoint, int]:
         async with self.cond:
             while True:
                 healthy = [e for e in self.endpoints if e.healthy]
+                if len(healthy) > 1 and avoid in healthy:
+                    healthy.remove(avoid)  # a retry goes to another server where there is one
                 free = [e for e in healthy if e.in_flight < e.limit]
+                wait = 1.0
                 if free:
                     self._down_since = None
-                    pick = min(free, key=lambda e: (e is avoid and len(healthy) > 1,
-                                                    e.in_flight / e.limit))
-                    pick.in_flight += 1
-                    return pick
-                if not healthy:
+                    pick, wait = self._choose(healthy, free)
+                    if pick is not None:
+                        self._tickets += 1
+                        pick.in_flight += 1
+                        pick.starts[self._tickets] = time.monotonic()
+                        return pick, self._tickets
+                elif not healthy:
                     now = time.monotonic()
                     self._down_since = self._down_since or now
                     if now - self._down_since > self.settings.all_down_timeout_s:
@@ -153,13 +169,34 @@ class ServerPool:
                             f"restart the servers (clear start_servers) and rerun the shard"
                         )
                 try:
-                    await asyncio.wait_for(self.cond.wait(), timeout=1.0)
+                    await asyncio.wait_for(self.cond.wait(), timeout=wait)
                 except asyncio.TimeoutError:
                     pass
 
-    async def release(self, endpoint: Endpoint) -> None:
+    def _choose(self, healthy: list[Endpoint], free: list[Endpoint]) -> tuple[Endpoint | None, float]:
+        """(server to use now, or None to wait; how long to wait at most)."""
+        least_outstanding = min(free, key=lambda e: e.in_flight / e.limit)
+        if not self.draining or any(e.latency_s is None for e in healthy):
+            return least_outstanding, 0.0
+        now = time.monotonic()
+
+        def next_free(e: Endpoint) -> float:
+            if e.in_flight < e.limit:
+                return now
+            return max(now, min(e.starts.values()) + e.latency_s)
+
+        best = min(healthy, key=lambda e: next_free(e) + e.latency_s)
+        if best.in_flight < best.limit:
+            return best, 0.0
+        return None, max(0.005, next_free(best) - now)
+
+    async def release(self, endpoint: Endpoint, ticket: int, latency_s: float | None = None) -> None:
         async with self.cond:
             endpoint.in_flight -= 1
+            endpoint.starts.pop(ticket, None)
+            if latency_s is not None:
+                endpoint.latency_s = latency_s if endpoint.latency_s is None else (
+                    0.8 * endpoint.latency_s + 0.2 * latency_s)
             self.cond.notify_all()
 
     def record_success(self, endpoint: Endpoint) -> None:
@@ -210,10 +247,9 @@ async def discover(url: str, api_key: str | None, settings: GenerationSettings) 
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         endpoint.healthy = False
         log.warning("server %s not answering /v1/models (%s)", url, exc)
-    limit = settings.concurrency_per_server
-    if limit is None:
-        limit = await _server_limit(endpoint)
-    endpoint.limit = max(1, limit or DEFAULT_CONCURRENCY)
+    reported = await _server_limit(endpoint) if endpoint.healthy else None
+    limit = settings.concurrency_per_server or reported or DEFAULT_CONCURRENCY
+    endpoint.limit = max(1, min(limit, reported) if reported else limit)
     return endpoint
 
 
@@ -304,8 +340,9 @@ class Generator:
         endpoint: Endpoint | None = None
         started = time.monotonic()
         for attempt in range(1, s.max_attempts + 1):
-            endpoint = await self.pool.acquire(avoid=endpoint)
-            retry = True
+            endpoint, ticket = await self.pool.acquire(avoid=endpoint)
+            sent = time.monotonic()
+            retry, latency = True, None
             try:
                 response = await endpoint.client.post(
                     f"{endpoint.url}/v1/chat/completions", json=self.payload(endpoint, prompt),
@@ -325,6 +362,7 @@ class Generator:
                         last_error = f"unreadable response: {exc}"
                     else:
                         self.pool.record_success(endpoint)
+                        latency = time.monotonic() - sent
                         endpoint.done += 1
                         endpoint.tokens += row["completion_tokens"] or 0
                         return row
@@ -335,7 +373,7 @@ class Generator:
                     last_error = f"HTTP {response.status_code}: {_error_text(response)}"
                     retry = False
             finally:
-                await self.pool.release(endpoint)
+                await self.pool.release(endpoint, ticket, latency)
             if not retry:
                 break
             if attempt < s.max_attempts:
@@ -383,11 +421,14 @@ class Generator:
             "retryable": retryable,
         }
 
-    async def worker(self, queue: asyncio.Queue) -> None:
+    async def worker(self, queue: asyncio.Queue, feed: "_Feed") -> None:
         while True:
             prompt = await queue.get()
             if prompt is None:
                 return
+            feed.queued -= 1
+            if feed.done and feed.queued == 0:
+                self.pool.draining = True
             row = await self.run_one(prompt)
             if row["error"] is None:
                 self.done += 1
@@ -410,8 +451,9 @@ class Generator:
     async def run(self, prompts: Iterable[Prompt]) -> None:
         capacity = max(1, self.pool.capacity)
         queue: asyncio.Queue = asyncio.Queue(maxsize=capacity * 2)
-        workers = [asyncio.create_task(self.worker(queue)) for _ in range(capacity)]
-        feeder = asyncio.create_task(_feed(queue, prompts, len(workers)))
+        feed = _Feed()
+        workers = [asyncio.create_task(self.worker(queue, feed)) for _ in range(capacity)]
+        feeder = asyncio.create_task(feed.run(queue, prompts, len(workers)))
         tasks = [*workers, feeder]
         try:
             pending = set(tasks)
@@ -426,13 +468,22 @@ class Generator:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _feed(queue: asyncio.Queue, prompts: Iterable[Prompt], workers: int) -> None:
-    for count, prompt in enumerate(prompts):
-        await queue.put(prompt)
-        if count % 256 == 0:
-            await asyncio.sleep(0)
-    for _ in range(workers):
-        await queue.put(None)
+class _Feed:
+    """Puts the prompts on the queue, counting what waits there, then one stop per worker."""
+
+    def __init__(self) -> None:
+        self.queued = 0
+        self.done = False
+
+    async def run(self, queue: asyncio.Queue, prompts: Iterable[Prompt], workers: int) -> None:
+        for count, prompt in enumerate(prompts):
+            self.queued += 1
+            await queue.put(prompt)
+            if count % 256 == 0:
+                await asyncio.sleep(0)
+        self.done = True
+        for _ in range(workers):
+            await queue.put(None)
 
 
 def _error_text(response: httpx.Response) -> str:
@@ -714,9 +765,10 @@ async def _scrape_metrics(endpoint: Endpoint) -> None:
 
 
 def generate_rows(prompts: list[Prompt], endpoints: list[tuple[str, str | None]],
-                  settings: GenerationSettings) -> list[dict]:
-    """Generate a handful of prompts in memory (the canary), through the same client."""
-    async def run() -> list[dict]:
+                  settings: GenerationSettings) -> tuple[list[dict], int]:
+    """Generate a handful of prompts in memory (the canary), through the same client; also
+    return how many requests the servers can run at once."""
+    async def run() -> tuple[list[dict], int]:
         rows: list[dict] = []
         async with open_endpoints(endpoints, settings) as eps:
             pool = ServerPool(eps, settings)
@@ -724,6 +776,6 @@ def generate_rows(prompts: list[Prompt], endpoints: list[tuple[str, str | None]]
                 await Generator(pool, settings, rows.append).run(prompts)
             finally:
                 pool.close()
-        return rows
+        return rows, pool.capacity
 
     return asyncio.run(run())

@@ -76,11 +76,8 @@ def endpoints(cfg: RunConfig) -> list[tuple[str, str | None]]:
 
 def canary(cfg: RunConfig):
     from regen.canary import CanaryFailed, run_canary
-    from regen.generate import GenerationSettings
 
-    eps = endpoints(cfg)
-    per_server = GenerationSettings.from_config(cfg).concurrency_per_server or 32
-    result = run_canary(cfg, eps, slots=per_server * len(eps))
+    result = run_canary(cfg, endpoints(cfg))
     if result.problems:
         raise CanaryFailed("\n".join(result.problems))
     log.info("canary passed: %d samples; estimate: %s", len(result.rows),

@@ -41,6 +41,7 @@ class SimSettings:
     served_model_name: str
     context_length: int
     max_running_requests: int = 64
+    effective_max_running_requests: int | None = None  # lower, as on hybrid Mamba models
     tokens_per_second: float = 0.0
     ttft_s: float = 0.0
     failure_rate: float = 0.0
@@ -61,6 +62,7 @@ class SimState:
     requests_total: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    waited_total: int = 0  # requests that found every slot taken and queued
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))
 
     def throughput(self, window: float = 10.0) -> float:
@@ -97,7 +99,8 @@ def build_app(settings: SimSettings):
     from starlette.routing import Route
 
     state = SimState()
-    slots = asyncio.Semaphore(settings.max_running_requests)
+    effective = settings.effective_max_running_requests or settings.max_running_requests
+    slots = asyncio.Semaphore(effective)
     failures = random.Random(settings.seed ^ 0x5EED)
 
     def ready() -> bool:
@@ -132,8 +135,9 @@ def build_app(settings: SimSettings):
             "reasoning_parser": settings.reasoning_parser,
             "version": "regen-sim",
             "internal_states": [{
-                "max_running_requests": settings.max_running_requests,
+                "max_running_requests": effective,
                 "last_gen_throughput": state.throughput(),
+                "waited_requests_total": state.waited_total,
             }],
         })
 
@@ -186,6 +190,8 @@ def build_app(settings: SimSettings):
         reasoning, answer = compose(messages, thinking, body.get("seed"), settings.seed)
 
         state.queued += 1
+        if slots.locked():
+            state.waited_total += 1
         async with slots:
             state.queued -= 1
             state.running += 1
@@ -267,6 +273,9 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-hang-rate", type=float, default=0.0)
     p.add_argument("--sim-ignore-thinking", action="store_true")
     p.add_argument("--sim-startup-delay", type=float, default=0.0)
+    p.add_argument("--sim-effective-max-running-requests", type=int, default=None,
+                   help="run and report fewer requests than --max-running-requests, as SGLang does "
+                   "on hybrid Mamba models (issue 38846)")
     p.add_argument("--sim-orphan-child", action="store_true",
                    help="leave a child that ignores SIGTERM and outlives the server, as SGLang's "
                    "scheduler children have been seen to do (issues 23627, 15165)")
@@ -288,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         served_model_name=args.served_model_name or Path(args.model_path or "sim").name,
         context_length=context or 32768,
         max_running_requests=args.max_running_requests,
+        effective_max_running_requests=args.sim_effective_max_running_requests,
         tokens_per_second=args.sim_tokens_per_second,
         ttft_s=args.sim_ttft,
         failure_rate=args.sim_failure_rate,
