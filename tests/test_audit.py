@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pandas as pd
@@ -35,12 +36,17 @@ def write_dataset(path, rows, files=2):
     return path
 
 
+# SpecForge's own pattern for an assistant span: header, then lazily up to the end of turn or text.
+SPECFORGE_SPAN = re.compile(re.escape(QWEN.assistant_header) + r"([\s\S]*?(?:"
+                            + re.escape(QWEN.end_of_turn) + r"|$))")
+
+
 def reference_mask(tokenizer, text):
     """Independent and slow: SpecForge's arithmetic, one prefix encoding per span edge, through
     the tokenizer's Python API (not the batched Rust path the audit uses)."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     mask = [0] * len(ids)
-    for match in QWEN.assistant_span.finditer(text):
+    for match in SPECFORGE_SPAN.finditer(text):
         start = len(tokenizer.encode(text[: match.start(1)], add_special_tokens=False))
         end = len(tokenizer.encode(text[: match.end(1)], add_special_tokens=False))
         mask[start:end] = [1] * (end - start)
@@ -176,3 +182,44 @@ def test_audit_of_an_empty_directory_is_a_clear_error(tmp_path, tiny_model):
                           "--tokenizer", str(tiny_model)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "no Parquet files to audit" in out.stderr
+
+
+@pytest.mark.parametrize("which", ["qwen3", "tiny"])
+def test_piece_counts_equal_the_reference_and_are_used(which, qwen3_tokenizer_dir, tiny_model):
+    from regen.chat import PieceCounter, loss_token_counts
+
+    tok = load_tokenizer(str(qwen3_tokenizer_dir if which == "qwen3" else tiny_model))
+    counter = PieceCounter.for_tokenizer(tok)
+    assert counter is not None  # both tokenizers take the fast path
+    samples = list(SAMPLES) + demo_samples()
+    for thinking in (True, False):
+        texts = render(tok, [training_messages(m, r, c) for m, r, c in samples], thinking)
+        counted = [counter.count_spans(t, [(m.start(1), m.end(1)) for m in SPECFORGE_SPAN.finditer(t)])
+                   for t in texts]
+        assert sum(c is None for c in counted) <= 2  # only odd edges fall back
+        assert loss_token_counts(tok, texts) == [sum(reference_mask(tok, t)) for t in texts]
+
+
+def test_text_that_nfc_would_change_falls_back_to_encoding(qwen3_tokenizer_dir):
+    from regen.chat import PieceCounter, loss_token_counts
+
+    tok = load_tokenizer(str(qwen3_tokenizer_dir))
+    decomposed = "Cafe\u0301 and re\u0301sume\u0301"  # NFD: the tokenizer normalises it first
+    text = render(tok, [training_messages(QUESTION, decomposed, decomposed)], True)[0]
+    spans = [(m.start(1), m.end(1)) for m in SPECFORGE_SPAN.finditer(text)]
+    assert PieceCounter.for_tokenizer(tok).count_spans(text, spans) is None
+    assert loss_token_counts(tok, [text]) == [sum(reference_mask(tok, text))]
+
+
+def test_worker_processes_give_the_same_report_as_one_process(tmp_path, tiny_model):
+    rows = [row(i) for i in range(300)] + [row(i, reasoning=None, content="OK.") for i in range(300, 400)]
+    rows.append(row(999, rid="s5"))  # a duplicate far from its first occurrence
+    data = write_dataset(tmp_path / "data", rows, files=3)
+    one = audit_dataset(data, tiny_model, tmp_path / "one", batch_size=32, workers=1)
+    two = audit_dataset(data, tiny_model, tmp_path / "two", batch_size=32, workers=2)
+    assert one.to_json()["counts"] == two.to_json()["counts"]
+    assert two.summary.counts["duplicate_id"] == 1 and two.summary.counts["degenerate"] == 100
+    a = pd.read_parquet(tmp_path / "one" / "samples.parquet")
+    b = pd.read_parquet(tmp_path / "two" / "samples.parquet")
+    assert a["loss_tokens"].tolist() == b["loss_tokens"].tolist()
+    assert [list(f) for f in a["findings"]] == [list(f) for f in b["findings"]]

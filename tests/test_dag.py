@@ -150,3 +150,20 @@ def test_servers_without_thinking_fail_the_canary_and_teardown_still_stops_them(
     assert len(logs) == cfg.num_servers  # they did start, and were stopped:
     assert_no_server_left(cfg)
     assert not (ROOT / state_file).exists()
+
+
+@pytest.mark.slow
+def test_thinking_lost_after_the_canary_fails_the_run_at_the_audit(airflow_db, make_config):
+    """The canary passes (the servers think at first), the shards run, the audit catches it."""
+    cfg = make_config(extra_server_args=["--sim-ignore-thinking-after", "6"])
+    run = load_dag().test(run_conf=_conf(cfg))
+    states = _states(run)
+    assert run.state == "failed"
+    assert states["canary"] == ["success"]
+    assert states["generate"] == ["success"] * cfg.num_shards
+    assert states["audit"] == ["failed"]
+    assert states["stop_servers"] == ["success"]
+    summary = json.loads((ROOT / cfg.output / "audit" / "summary.json").read_text())
+    assert summary["verdict"] == "FAIL"
+    assert summary["degenerate_fraction"] > 0.9
+    assert_no_server_left(cfg)

@@ -13,13 +13,16 @@ import base64
 import io
 import json
 import logging
+import multiprocessing
+import os
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from regen.chat import QWEN, ChatFormat, load_tokenizer, loss_token_counts, render, training_messages
@@ -70,18 +73,23 @@ class AuditSummary:
         return self.fraction("degenerate")
 
 
-def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds, seen_ids: set[str],
+def mark_duplicates(results: list[dict], seen_ids: set[str]) -> None:
+    """Duplicates across the whole dataset: the one finding that needs every id seen so far."""
+    for result in results:
+        if result["id"] in seen_ids:
+            result["findings"].insert(0, "duplicate_id")
+        seen_ids.add(result["id"])
+
+
+def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds,
                 default_thinking: bool = True, fmt: ChatFormat = QWEN) -> list[dict]:
-    """Findings and loss tokens of each row; ``seen_ids`` carries duplicates across batches."""
+    """Findings and loss tokens of each row (duplicates aside: see mark_duplicates)."""
     results: list[dict] = [None] * len(rows)  # type: ignore[list-item]
     to_render: list[int] = []
     conversations = []
     thinking_flags = []
     for i, row in enumerate(rows):
         findings: list[str] = []
-        if row["id"] in seen_ids:
-            findings.append("duplicate_id")
-        seen_ids.add(row["id"])
         results[i] = {"id": row["id"], "loss_tokens": 0,
                       "completion_tokens": row.get("completion_tokens"), "findings": findings}
         if row.get("error") is not None:
@@ -132,17 +140,20 @@ def _messages(row: dict) -> list[dict]:
 
 
 def iter_batches(data_dir: Path, batch_size: int = 512) -> Iterator[list[dict]]:
+    """Rows in batches, one file at a time: memory holds one batch, however large the data."""
     files = sorted(p for p in Path(data_dir).glob("*.parquet") if not p.name.startswith((".", "_")))
     if not files:
         raise FileNotFoundError(f"{data_dir}: no Parquet files to audit")
-    dataset = ds.dataset([str(f) for f in files], format="parquet")
-    wanted = [c for c in ("id", "messages", "reasoning_content", "content", "finish_reason",
-                          "completion_tokens", "error", "enable_thinking") if c in dataset.schema.names]
-    missing = {"id", "messages", "content"} - set(wanted)
-    if missing:
-        raise ValueError(f"{data_dir}: the data has no column(s) {sorted(missing)}")
-    for batch in dataset.to_batches(columns=wanted, batch_size=batch_size):
-        yield batch.to_pylist()
+    for path in files:
+        parquet = pq.ParquetFile(path)
+        names = parquet.schema_arrow.names
+        missing = {"id", "messages", "content"} - set(names)
+        if missing:
+            raise ValueError(f"{path}: the data has no column(s) {sorted(missing)}")
+        wanted = [c for c in ("id", "messages", "reasoning_content", "content", "finish_reason",
+                              "completion_tokens", "error", "enable_thinking") if c in names]
+        for batch in parquet.iter_batches(batch_size=batch_size, columns=wanted):
+            yield batch.to_pylist()
 
 
 def fold(summary: AuditSummary, rows: list[dict], results: list[dict]) -> None:
@@ -171,7 +182,8 @@ def audit_rows(rows: list[dict], tokenizer_dir: str, thresholds: AuditThresholds
                default_thinking: bool = True) -> tuple[AuditSummary, list[dict]]:
     """Audit rows held in memory (the canary) with the same code as the dataset audit."""
     tokenizer = load_tokenizer(str(tokenizer_dir))
-    results = audit_batch(rows, tokenizer, thresholds, set(), default_thinking)
+    results = audit_batch(rows, tokenizer, thresholds, default_thinking)
+    mark_duplicates(results, set())
     summary = AuditSummary()
     fold(summary, rows, results)
     return summary, results
@@ -239,19 +251,66 @@ def _stats(values: list[int]) -> dict[str, Any]:
             "p95": int(np.percentile(arr, 95)), "max": int(arr.max())}
 
 
+_worker_state: tuple | None = None
+
+
+def _worker_init(tokenizer_dir: str, thresholds: AuditThresholds, default_thinking: bool) -> None:
+    global _worker_state
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    _worker_state = (load_tokenizer(tokenizer_dir), thresholds, default_thinking)
+
+
+def _worker_audit(rows: list[dict]) -> list[dict]:
+    tokenizer, thresholds, default_thinking = _worker_state
+    return audit_batch(rows, tokenizer, thresholds, default_thinking)
+
+
+def audited_batches(batches: Iterable[list[dict]], tokenizer_dir: str, thresholds: AuditThresholds,
+                    default_thinking: bool, workers: int) -> Iterator[tuple[list[dict], list[dict]]]:
+    """(rows, results) in order; with ``workers`` > 1, batches are audited in that many processes,
+    at most two batches per worker in flight so memory stays bounded."""
+    if workers <= 1:
+        tokenizer = load_tokenizer(tokenizer_dir)
+        for rows in batches:
+            yield rows, audit_batch(rows, tokenizer, thresholds, default_thinking)
+        return
+    context = multiprocessing.get_context("spawn")  # a fork would inherit the tokenizer's threads
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
+                             initargs=(tokenizer_dir, thresholds, default_thinking)) as pool:
+        pending: deque = deque()
+        for rows in batches:
+            pending.append((rows, pool.submit(_worker_audit, rows)))
+            if len(pending) >= 2 * workers:
+                done_rows, future = pending.popleft()
+                yield done_rows, future.result()
+        while pending:
+            done_rows, future = pending.popleft()
+            yield done_rows, future.result()
+
+
+def count_rows(data_dir: Path) -> int:
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in Path(data_dir).glob("*.parquet")
+               if not p.name.startswith((".", "_")))
+
+
 def audit_dataset(data_dir: str | Path, tokenizer_dir: str | Path, report_dir: str | Path,
                   thresholds: AuditThresholds | None = None, default_thinking: bool = True,
-                  batch_size: int = 512) -> AuditReport:
+                  batch_size: int = 512, workers: int | None = None) -> AuditReport:
+    """``workers``: processes to audit with; default every core once the data is large enough
+    to pay for their start-up (a few seconds each)."""
     thresholds = thresholds or AuditThresholds()
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(str(tokenizer_dir))
+    if workers is None:
+        workers = (os.cpu_count() or 1) if count_rows(Path(data_dir)) >= 8 * batch_size else 1
     summary = AuditSummary()
     seen: set[str] = set()
     samples_tmp = report_dir / ".samples.parquet.tmp"
+    batches = iter_batches(Path(data_dir), batch_size)
     with pq.ParquetWriter(samples_tmp, SAMPLE_SCHEMA, compression="zstd") as writer:
-        for rows in iter_batches(Path(data_dir), batch_size):
-            results = audit_batch(rows, tokenizer, thresholds, seen, default_thinking)
+        for rows, results in audited_batches(batches, str(tokenizer_dir), thresholds,
+                                             default_thinking, workers):
+            mark_duplicates(results, seen)
             fold(summary, rows, results)
             writer.write_table(pa.Table.from_pylist(results, schema=SAMPLE_SCHEMA))
             if summary.samples % (batch_size * 20) < len(rows):

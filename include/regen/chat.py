@@ -11,7 +11,6 @@ prefix arithmetic so the two never disagree.
 
 from __future__ import annotations
 
-import bisect
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -28,14 +27,24 @@ class ChatFormat:
     think_start: str = "<think>"
     think_end: str = "</think>"
 
-    @property
-    def assistant_span(self) -> re.Pattern[str]:
-        return re.compile(
-            re.escape(self.assistant_header) + r"([\s\S]*?(?:" + re.escape(self.end_of_turn) + r"|$))"
-        )
-
 
 QWEN = ChatFormat()
+
+
+def assistant_spans(text: str, fmt: ChatFormat = QWEN) -> list[tuple[int, int]]:
+    """Character [start, end) of each assistant span: after the header, through the end-of-turn
+    marker, or to the end of the text. The same spans as SpecForge's regex, found with str.find
+    (a lazy regex over a long trace is the slowest step of the audit)."""
+    spans = []
+    header, eot = fmt.assistant_header, fmt.end_of_turn
+    at = text.find(header)
+    while at != -1:
+        start = at + len(header)
+        stop = text.find(eot, start)
+        end = len(text) if stop == -1 else stop + len(eot)
+        spans.append((start, end))
+        at = text.find(header, end)
+    return spans
 
 
 @lru_cache(maxsize=8)
@@ -79,42 +88,211 @@ def render_generation_prompt(tokenizer, messages: list[dict[str, Any]], enable_t
     )
 
 
-def loss_masks(tokenizer, texts: Sequence[str], fmt: ChatFormat = QWEN) -> list[list[int]]:
-    """Per token of each rendered conversation: 1 where training learns, else 0.
+def loss_spans(tokenizer, texts: Sequence[str], fmt: ChatFormat = QWEN) -> list[list[tuple[int, int]]]:
+    """Per rendered conversation, the [first, last) token index of each assistant span.
 
-    One batched encoding with offsets; a span edge that falls inside a token falls back to
-    SpecForge's prefix arithmetic for that span, so the two never disagree.
+    One batched encoding (Rust, every core); each span edge maps to a token in O(1). An edge that
+    falls inside a token falls back to SpecForge's prefix arithmetic for that span, so the two
+    never disagree.
     """
     if not texts:
         return []
     encodings = tokenizer._tokenizer.encode_batch(list(texts), add_special_tokens=False)
-    pattern = fmt.assistant_span
-    masks = []
+    out = []
     for text, enc in zip(texts, encodings):
-        offsets = enc.offsets
-        starts = [s for s, _ in offsets]
-        mask = [0] * len(offsets)
-        for match in pattern.finditer(text):
-            first = _token_at(starts, offsets, match.start(1))
-            last = _token_at(starts, offsets, match.end(1))
+        spans = []
+        for start, end in assistant_spans(text, fmt):
+            first = _token_starting_at(enc, len(text), start)
+            last = _token_starting_at(enc, len(text), end)
             if first is None or last is None:
-                first = len(tokenizer.encode(text[: match.start(1)], add_special_tokens=False))
-                last = len(tokenizer.encode(text[: match.end(1)], add_special_tokens=False))
-            mask[first:last] = [1] * max(0, min(last, len(mask)) - first)
+                first = len(tokenizer.encode(text[:start], add_special_tokens=False))
+                last = len(tokenizer.encode(text[:end], add_special_tokens=False))
+            spans.append((first, max(first, last)))
+        out.append(spans)
+    return out
+
+
+def _token_starting_at(enc, text_len: int, char: int) -> int | None:
+    """Index of the token that starts exactly at ``char`` (the token count at the end of the
+    text); None when ``char`` falls inside a token."""
+    if char >= text_len:
+        return len(enc)
+    index = enc.char_to_token(char)
+    if index is None or enc.token_to_chars(index)[0] != char:
+        return None
+    return index
+
+
+def loss_masks(tokenizer, texts: Sequence[str], fmt: ChatFormat = QWEN) -> list[list[int]]:
+    """Per token of each rendered conversation: 1 where training learns, else 0."""
+    encodings = tokenizer._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+    masks = []
+    for enc, spans in zip(encodings, loss_spans(tokenizer, texts, fmt)):
+        mask = [0] * len(enc)
+        for first, last in spans:
+            mask[first:last] = [1] * (last - first)
         masks.append(mask)
     return masks
 
 
 def loss_token_counts(tokenizer, texts: Sequence[str], fmt: ChatFormat = QWEN) -> list[int]:
-    return [sum(mask) for mask in loss_masks(tokenizer, texts, fmt)]
+    """Loss tokens of each rendered conversation: counted piece by piece where the tokenizer
+    allows it (see PieceCounter), else from one batched encoding."""
+    counter = PieceCounter.for_tokenizer(tokenizer)
+    counts: list[int | None] = [None] * len(texts)
+    if counter is not None:
+        for i, text in enumerate(texts):
+            counts[i] = counter.count_spans(text, assistant_spans(text, fmt))
+    rest = [i for i, n in enumerate(counts) if n is None]
+    if rest:
+        for i, spans in zip(rest, loss_spans(tokenizer, [texts[i] for i in rest], fmt)):
+            counts[i] = sum(last - first for first, last in spans)
+    return counts  # type: ignore[return-value]
 
 
-def _token_at(starts: list[int], offsets: list[tuple[int, int]], char: int) -> int | None:
-    """Index of the first token starting at or after ``char``; None when ``char`` splits a token."""
-    i = bisect.bisect_left(starts, char)
-    if i > 0 and offsets[i - 1][1] > char:
-        return None
-    return i
+# GPT-2's pre-tokenizer pattern: what a ByteLevel pre-tokenizer with use_regex applies.
+_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def _bytes_to_unicode() -> list[str]:
+    """The byte-level BPE alphabet: each byte as the printable character BPE vocabularies use."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+class PieceCounter:
+    """Counts a byte-level BPE tokenizer's tokens without building encodings.
+
+    A byte-level BPE never merges across the pieces its pre-tokenizer splits (nor across added
+    tokens), so the tokens of a span are the sum of its pieces' tokens, and a piece's count can be
+    cached: natural text repeats its pieces. That makes the audit's count several times cheaper
+    than encoding. It applies only to tokenizers whose pipeline it reproduces exactly (BPE model;
+    NFC or no normalizer; a ByteLevel pre-tokenizer, alone or after one regex Split; plain added
+    tokens); a span edge inside a piece, or text that NFC would change, returns None and the
+    caller encodes that sample instead.
+    """
+
+    _cache: dict[int, "PieceCounter | None"] = {}
+    MAX_PIECES = 1_000_000
+
+    def __init__(self, model, split_pattern: str, added: list[str], nfc: bool):
+        import regex
+
+        self.model = model
+        self.split = regex.compile(split_pattern)
+        self.added = regex.compile("|".join(regex.escape(a) for a in sorted(added, key=len, reverse=True)))
+        self.nfc = nfc
+        self.byte_chars = _bytes_to_unicode()
+        self.counts: dict[str, int] = {}
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer) -> "PieceCounter | None":
+        key = id(tokenizer)
+        if key not in cls._cache:
+            cls._cache[key] = cls._build(tokenizer)
+        return cls._cache[key]
+
+    @classmethod
+    def _build(cls, tokenizer) -> "PieceCounter | None":
+        import json
+
+        from tokenizers import models
+
+        rust = tokenizer._tokenizer
+        model = rust.model
+        if not isinstance(model, models.BPE) or model.dropout or model.byte_fallback:
+            return None
+        normalizer = json.loads(rust.normalizer.__getstate__()) if rust.normalizer else None
+        if normalizer is not None and normalizer.get("type") != "NFC":
+            return None
+        pre = json.loads(rust.pre_tokenizer.__getstate__()) if rust.pre_tokenizer else {}
+        pattern = None
+        if pre.get("type") == "ByteLevel" and pre.get("use_regex") and not pre.get("add_prefix_space"):
+            pattern = _GPT2_SPLIT
+        elif pre.get("type") == "Sequence" and len(pre.get("pretokenizers", [])) == 2:
+            split, byte_level = pre["pretokenizers"]
+            if (split.get("type") == "Split" and "Regex" in split.get("pattern", {})
+                    and split.get("behavior") == "Isolated" and not split.get("invert")
+                    and byte_level.get("type") == "ByteLevel" and not byte_level.get("use_regex")
+                    and not byte_level.get("add_prefix_space")):
+                pattern = split["pattern"]["Regex"]
+        added = list(rust.get_added_tokens_decoder().values())
+        if pattern is None or any(a.lstrip or a.rstrip or a.single_word or a.normalized for a in added):
+            return None
+        return cls(model, pattern, [a.content for a in added], nfc=normalizer is not None)
+
+    def _piece_tokens(self, piece: str) -> int:
+        count = self.counts.get(piece)
+        if count is None:
+            if len(self.counts) >= self.MAX_PIECES:
+                self.counts.clear()
+            mapped = "".join(self.byte_chars[b] for b in piece.encode("utf-8"))
+            count = self.counts[piece] = len(self.model.tokenize(mapped))
+        return count
+
+    def count_spans(self, text: str, spans: list[tuple[int, int]]) -> int | None:
+        """Tokens inside the spans; None where that cannot be told exactly without encoding."""
+        import bisect
+        import unicodedata
+
+        # Units: the added tokens, and the plain segments between them (start, end, tokens).
+        units: list[tuple[int, int, int, list[str] | None]] = []
+        pos = 0
+        for match in [*self.added.finditer(text), None]:
+            seg_end = match.start() if match else len(text)
+            if seg_end > pos:
+                segment = text[pos:seg_end]
+                if self.nfc and not unicodedata.is_normalized("NFC", segment):
+                    return None
+                pieces = self.split.findall(segment)
+                if sum(map(len, pieces)) != len(segment):  # the pattern left a gap
+                    return None
+                known = list(map(self.counts.get, pieces))
+                if None in known:
+                    known = [self._piece_tokens(p) if n is None else n for p, n in zip(pieces, known)]
+                units.append((pos, seg_end, sum(known), pieces))
+            if match:
+                units.append((match.start(), match.end(), 1, None))
+                pos = match.end()
+        starts = [u[0] for u in units]
+        before = [0]
+        for unit in units:
+            before.append(before[-1] + unit[2])
+
+        def tokens_before(char: int) -> int | None:
+            k = bisect.bisect_right(starts, char) - 1
+            if k < 0 or char >= len(text):
+                return before[-1] if char >= len(text) else 0
+            unit_start, _, _, pieces = units[k]
+            if char == unit_start:
+                return before[k]
+            if pieces is None:
+                return None  # inside an added token
+            offset, count = unit_start, before[k]
+            for piece in pieces:
+                if offset == char:
+                    return count
+                if offset > char:
+                    return None  # inside a piece
+                offset += len(piece)
+                count += self.counts.get(piece) or self._piece_tokens(piece)
+            return count if offset == char else None
+
+        total = 0
+        for start, end in spans:
+            first, last = tokens_before(start), tokens_before(end)
+            if first is None or last is None:
+                return None
+            total += last - first
+        return total
 
 
 def template_problems(tokenizer, enable_thinking: bool, fmt: ChatFormat = QWEN) -> list[str]:
@@ -135,7 +313,7 @@ def template_problems(tokenizer, enable_thinking: bool, fmt: ChatFormat = QWEN) 
             "chat template pre-fills an empty think block with enable_thinking=true: "
             "the model would answer without reasoning"
         )
-    spans = [m.group(1) for m in fmt.assistant_span.finditer(full)]
+    spans = [full[start:end] for start, end in assistant_spans(full, fmt)]
     if not spans:
         problems.append(f"rendered conversation has no assistant span {fmt.assistant_header!r}")
     elif enable_thinking and "Two plus two is four." not in spans[-1]:

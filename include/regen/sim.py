@@ -47,6 +47,7 @@ class SimSettings:
     failure_rate: float = 0.0
     hang_rate: float = 0.0
     ignore_thinking: bool = False
+    ignore_thinking_after: int | None = None  # a server restarted mid-run without thinking
     startup_delay_s: float = 0.0
     api_key: str | None = None
     speculative_algorithm: str | None = None
@@ -186,7 +187,10 @@ def build_app(settings: SimSettings):
             return JSONResponse({"object": "error", "message": "simulated internal error",
                                  "code": 500}, status_code=500)
         kwargs = body.get("chat_template_kwargs") or {}
-        thinking = bool(kwargs.get("enable_thinking", True)) and not settings.ignore_thinking
+        degraded = settings.ignore_thinking or (
+            settings.ignore_thinking_after is not None
+            and state.requests_total > settings.ignore_thinking_after)
+        thinking = bool(kwargs.get("enable_thinking", True)) and not degraded
         reasoning, answer = compose(messages, thinking, body.get("seed"), settings.seed)
 
         state.queued += 1
@@ -272,6 +276,9 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-failure-rate", type=float, default=0.0)
     p.add_argument("--sim-hang-rate", type=float, default=0.0)
     p.add_argument("--sim-ignore-thinking", action="store_true")
+    p.add_argument("--sim-ignore-thinking-after", type=int, default=None, metavar="N",
+                   help="think for the first N requests, then ignore enable_thinking (a server "
+                   "relaunched mid-run with the wrong flags)")
     p.add_argument("--sim-startup-delay", type=float, default=0.0)
     p.add_argument("--sim-effective-max-running-requests", type=int, default=None,
                    help="run and report fewer requests than --max-running-requests, as SGLang does "
@@ -303,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         failure_rate=args.sim_failure_rate,
         hang_rate=args.sim_hang_rate,
         ignore_thinking=args.sim_ignore_thinking,
+        ignore_thinking_after=args.sim_ignore_thinking_after,
         startup_delay_s=args.sim_startup_delay,
         api_key=args.api_key,
         speculative_algorithm=args.speculative_algorithm,
