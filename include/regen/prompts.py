@@ -7,10 +7,11 @@ line, so the caller can report it and go on with the rest.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
+
+import msgspec
 
 _ROLE_ALIASES = {
     "human": "user",
@@ -108,14 +109,14 @@ def iter_records(path: str | Path) -> Iterator[tuple[int, Any]]:
                 row += 1
                 yield row, record
         return
+    decode = msgspec.json.decode  # several times json.loads' speed: a million lines in seconds
     with path.open("rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
-            if not raw.strip():
-                continue
             try:
-                yield lineno, json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                yield lineno, PromptError(str(path), lineno, f"not valid JSON: {exc}")
+                yield lineno, decode(raw)
+            except msgspec.DecodeError as exc:
+                if raw.strip():
+                    yield lineno, PromptError(str(path), lineno, f"not valid JSON: {exc}")
 
 
 def read_prompts(path: str | Path) -> Iterator[Prompt | PromptError]:
