@@ -1,0 +1,43 @@
+"""The canary through the real client and audit, against simulated servers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from regen.canary import CanaryFailed
+from regen.pipeline import canary
+
+
+def test_a_healthy_canary_passes_and_estimates_the_run(sim_servers):
+    cfg, records = sim_servers(num_servers=2, sim_tokens_per_second=500)
+    estimate = canary(cfg)
+    assert estimate["prompts"] == 280
+    assert estimate["text"].startswith("280 prompts, about ")
+    assert "tok/s" in estimate["text"]
+    progress = json.loads((Path(cfg.output) / "progress.json").read_text())
+    assert progress["canary"]["passed"] is True
+    assert progress["canary"]["estimate"]["tokens_per_sample"] > 40
+
+
+def test_answers_cut_at_max_tokens_fail_the_canary_with_a_sample(sim_servers):
+    cfg, records = sim_servers(num_servers=1, max_tokens=20, min_loss_tokens=4)
+    with pytest.raises(CanaryFailed) as err:
+        canary(cfg)
+    message = str(err.value)
+    assert "answers hit max_tokens 20" in message
+    assert "answers are empty" in message  # cut inside the thinking: no answer at all
+    assert '"finish_reason": "length"' in message
+
+
+def test_servers_without_thinking_fail_naming_the_reason(sim_servers):
+    cfg, records = sim_servers(num_servers=1, sim_ignore_thinking=True)
+    with pytest.raises(CanaryFailed, match="without reasoning while enable_thinking is on"):
+        canary(cfg)
+
+
+def test_thinking_off_on_purpose_is_judged_by_the_loss_mask_only(sim_servers):
+    cfg, records = sim_servers(num_servers=1, enable_thinking=False, min_loss_tokens=4)
+    assert canary(cfg)["prompts"] == 280
