@@ -11,9 +11,10 @@ export AIRFLOW__CORE__DAGS_FOLDER := $(ROOT)/dags
 export AIRFLOW__CORE__PLUGINS_FOLDER := $(ROOT)/plugins
 export AIRFLOW__CORE__LOAD_EXAMPLES := False
 # The local package index prints one warning per missing mirror; they are noise, not errors.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 QUIET_PIP := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup demo test clean
+.PHONY: setup system demo test clean
 
 setup: $(VENV)/.installed $(VAR)/demo-model/config.json $(AIRFLOW_HOME)/airflow.db
 
@@ -38,7 +39,15 @@ demo: setup
 	  || { tail -40 $(VAR)/demo.log; exit 1; }
 	$(VENV)/bin/regen summary --config demo/config.yaml
 
-test: setup
+# Debian packages the tests need: openssh-server (a real sshd on loopback for the SSH-node tests).
+system:
+	@if [ ! -x /usr/sbin/sshd ]; then \
+	  echo "Installing openssh-server (Debian) for the SSH tests ..."; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq openssh-server > $(VAR)/apt.log 2>&1 \
+	    || { tail -20 $(VAR)/apt.log; exit 1; }; \
+	fi
+
+test: setup system
 	$(VENV)/bin/pytest
 
 clean:

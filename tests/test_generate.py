@@ -188,3 +188,12 @@ def test_a_full_disk_fails_the_shard_clearly_and_leaves_data_clean(sim_servers, 
         assert (mount / "ds" / "work" / "journal" / f"{shard_name(0, 1)}.jsonl").stat().st_size > 0
     finally:
         subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_second_generator_on_the_same_shard_is_refused(tmp_path):
+    from regen.generate import shard_lock
+
+    with shard_lock(tmp_path / "ds", shard_name(0, 1)):
+        with pytest.raises(ShardFailed, match=r"being generated right now by pid \d+"):
+            generate_shard(PROMPTS, tmp_path / "ds", [("http://127.0.0.1:9", None)], 0, 1,
+                           fast_settings())

@@ -23,6 +23,8 @@ EXIT_USAGE = 2
 
 def _add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     parser.add_argument("--config", type=Path, help="YAML file with the run's fields")
+    parser.add_argument("--config-json", help="the run's fields as one JSON object (how a stage "
+                        "is handed to an SSH node)")
     group = parser.add_argument_group("config fields (override the YAML)")
     for name, field in RunConfig.model_fields.items():
         if name in skip:
@@ -71,6 +73,11 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def load_config(args: argparse.Namespace) -> RunConfig:
     overrides = _overrides(args)
+    if getattr(args, "config_json", None):
+        import json
+
+        return RunConfig.from_mapping({**json.loads(args.config_json), **overrides},
+                                      source="--config-json")
     # Flags given on the command line are relative to where the command runs.
     cwd_relative = {k: str(Path(v).resolve()) for k, v in overrides.items()
                     if k in ("model_path", "prompts", "output", "staging_dir") and v}
@@ -123,6 +130,20 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_logs(args) -> int:
+    from regen.pipeline import state_dir
+    from regen.servers import log_tail, read_state
+
+    records = read_state(state_dir(load_config(args)))
+    if not records:
+        print("no servers recorded")
+        return EXIT_FAILED
+    for record in records:
+        print(f"==> server {record.index} (port {record.port}, pid {record.pid}): {record.log_path}")
+        print(log_tail(record.log_path, args.lines))
+    return 0
+
+
 def cmd_canary(args) -> int:
     from regen.canary import CanaryFailed
     from regen.pipeline import canary
@@ -148,7 +169,7 @@ def cmd_generate(args) -> int:
         endpoints = recorded(cfg)
     settings = GenerationSettings.from_config(cfg)
     shards = [args.shard] if args.shard is not None else list(range(cfg.num_shards))
-    bar = _progress_bar()
+    bar = None if args.no_progress_bar else _progress_bar()
     try:
         for shard in shards:
             result = generate_shard(cfg.prompts, cfg.output, endpoints, shard, cfg.num_shards,
@@ -251,6 +272,8 @@ def cmd_demo_model(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="regen", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--no-progress-bar", action="store_true",
+                        help="log lines only, even on a terminal")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("sim", help="an SGLang-compatible simulator on 127.0.0.1:PORT", add_help=False)
@@ -269,6 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-path", help="serve this path (e.g. the staged copy)")
     p.add_argument("--stop", action="store_true", help="stop the servers of this config instead")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("logs", help="the last lines of each server's log")
+    _add_config_flags(p)
+    p.add_argument("--lines", type=int, default=40)
+    p.set_defaults(func=cmd_logs)
 
     p = sub.add_parser("canary", help="a few real requests through the full path")
     _add_config_flags(p)

@@ -70,6 +70,21 @@ class RunConfig(BaseModel):
         json_schema_extra=_section("Run"),
     )
 
+    # --- Node ------------------------------------------------------------------------------
+    ssh_conn_id: str | None = Field(
+        None,
+        title="SSH connection",
+        description="Airflow SSH connection of the GPU node. Empty: this machine. When set, every "
+        "stage runs there as `regen` (host key verified as the SSH provider does).",
+        json_schema_extra=_section("Node"),
+    )
+    remote_regen: str = Field(
+        "regen",
+        title="regen on the node",
+        description="The `regen` command on the SSH node (a path, e.g. /opt/regen/.venv/bin/regen).",
+        json_schema_extra=_section("Node"),
+    )
+
     # --- Staging ---------------------------------------------------------------------------
     stage_weights: bool = Field(
         True,
@@ -302,7 +317,7 @@ class RunConfig(BaseModel):
         json_schema_extra=_section("Audit"),
     )
 
-    @field_validator("model_path", "prompts", "output", "staging_dir", "engine_python")
+    @field_validator("model_path", "prompts", "output", "staging_dir", "engine_python", "remote_regen")
     @classmethod
     def _plain_path(cls, value: str | None) -> str | None:
         if value is None:
@@ -312,6 +327,13 @@ class RunConfig(BaseModel):
         if _CONTROL_CHARS.search(value):
             raise ValueError("must not contain control characters (newline, NUL, ...)")
         return value
+
+    @field_validator("ssh_conn_id")
+    @classmethod
+    def _conn_id(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9_\-.]{1,250}", value):
+            raise ValueError("must be an Airflow connection id (letters, digits, '_', '-', '.')")
+        return value or None
 
     @field_validator("host")
     @classmethod

@@ -618,8 +618,32 @@ def generate_shard(prompts_path: str | Path, output: str | Path, endpoints: list
                    shard: int = 0, num_shards: int = 1,
                    settings: GenerationSettings | None = None,
                    on_row: Callable[[dict], None] | None = None) -> ShardResult:
-    return asyncio.run(_generate_shard(Path(prompts_path), Path(output), endpoints, shard,
-                                       num_shards, settings or GenerationSettings(), on_row))
+    with shard_lock(Path(output), shard_name(shard, num_shards)):
+        return asyncio.run(_generate_shard(Path(prompts_path), Path(output), endpoints, shard,
+                                           num_shards, settings or GenerationSettings(), on_row))
+
+
+@contextlib.contextmanager
+def shard_lock(output: Path, name: str):
+    """One generator per shard: a retry that starts while an old attempt still runs (a worker
+    that lost its heartbeat, a remote job outliving its task) must not write the same journal."""
+    import fcntl
+
+    path = output / "work" / "locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            raise ShardFailed(f"{name} is being generated right now by {holder} ({path}); "
+                              f"retry once it has stopped") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} on {os.uname().nodename}")
+        fh.flush()
+        yield
 
 
 async def _generate_shard(prompts_path: Path, output: Path, endpoints: list[tuple[str, str | None]],

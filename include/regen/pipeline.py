@@ -1,7 +1,9 @@
 """The six stages as plain functions of a RunConfig: what each DAG task and each CLI command runs.
 
 Stage modules are imported inside each function, so a broken module fails its own stage (and
-preflight, which compiles them all) without breaking the import of the others.
+preflight, which compiles them all) without breaking the import of the others. With
+``ssh_conn_id`` set, each stage runs on that node instead, as the node's own ``regen`` command
+(:mod:`regen.remote`), and this side only relays its output and its verdict.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from regen.config import RunConfig
 log = logging.getLogger("regen")
 
 
+class AuditFailed(RuntimeError):
+    pass
+
+
 def state_dir(cfg: RunConfig) -> Path:
     return Path(cfg.output) / "work" / "servers"
 
@@ -22,10 +28,23 @@ def report_dir(cfg: RunConfig) -> Path:
     return Path(cfg.output) / "audit"
 
 
+def _remote(cfg: RunConfig, *args: str, check: bool = True):
+    from regen.remote import run_regen
+
+    return run_regen(cfg, *args, check=check)
+
+
 def preflight(cfg: RunConfig) -> list[int]:
     """Raise PreflightFailed listing every problem; return the shard indices to map over."""
     from regen.preflight import PreflightFailed, run_preflight
 
+    if cfg.ssh_conn_id:
+        # The node's regen compiles and imports with the node's interpreter: the one that runs.
+        result = _remote(cfg, "preflight", check=False)
+        if result.exit_code != 0:
+            raise PreflightFailed([f"{cfg.ssh_conn_id}: {line}" for line in result.lines
+                                   if line and not line.startswith("preflight:")])
+        return list(range(cfg.num_shards))
     report = run_preflight(cfg, state_dir(cfg))
     for key, value in report.info.items():
         log.info("preflight: %s = %s", key, value)
@@ -42,22 +61,39 @@ def stage_weights(cfg: RunConfig) -> str:
     """The model path the servers load: the staged copy, or the source when staging is off."""
     if not cfg.stage_weights:
         return cfg.model_path
+    if cfg.ssh_conn_id:
+        return _remote(cfg, "stage").lines[-1].strip()
     from regen.stage import stage_model
 
     return str(stage_model(cfg.model_path, cfg.staging_dir).path)
 
 
 def start_servers(cfg: RunConfig, served_model_path: str | None = None) -> list[str]:
+    model = served_model_path or cfg.model_path
+    if cfg.ssh_conn_id:
+        lines = _remote(cfg, "serve", "--served-model-path", model).lines
+        return [line.strip() for line in lines if line.startswith("http://")]
     from regen.servers import start_servers as start
 
-    records = start(cfg, served_model_path or cfg.model_path, state_dir(cfg))
-    return [r.url for r in records]
+    return [r.url for r in start(cfg, model, state_dir(cfg))]
 
 
 def stop_servers(cfg: RunConfig) -> int:
+    if cfg.ssh_conn_id:
+        _remote(cfg, "serve", "--stop")
+        return 0
     from regen.servers import stop_servers as stop
 
     return stop(state_dir(cfg))
+
+
+def server_logs(cfg: RunConfig, lines: int = 40) -> str:
+    if cfg.ssh_conn_id:
+        return "\n".join(_remote(cfg, "logs", "--lines", str(lines)).lines)
+    from regen.servers import log_tail, read_state
+
+    return "\n".join(f"==> server {r.index}: {r.log_path}\n{log_tail(r.log_path, lines)}"
+                     for r in read_state(state_dir(cfg)))
 
 
 def endpoints(cfg: RunConfig) -> list[tuple[str, str | None]]:
@@ -74,9 +110,14 @@ def endpoints(cfg: RunConfig) -> list[tuple[str, str | None]]:
     return [(r.url, r.api_key) for r in records]
 
 
-def canary(cfg: RunConfig):
+def canary(cfg: RunConfig) -> dict:
     from regen.canary import CanaryFailed, run_canary
 
+    if cfg.ssh_conn_id:
+        result = _remote(cfg, "canary", check=False)
+        if result.exit_code != 0:
+            raise CanaryFailed(result.tail())
+        return {"text": result.lines[-1] if result.lines else ""}
     result = run_canary(cfg, endpoints(cfg))
     if result.problems:
         raise CanaryFailed("\n".join(result.problems))
@@ -85,15 +126,25 @@ def canary(cfg: RunConfig):
     return result.estimate
 
 
-def generate(cfg: RunConfig, shard: int):
-    from regen.generate import GenerationSettings, generate_shard
+def generate(cfg: RunConfig, shard: int) -> str:
+    from regen.generate import GenerationSettings, ShardFailed, generate_shard
 
-    result = generate_shard(cfg.prompts, cfg.output, endpoints(cfg), shard, cfg.num_shards,
-                            GenerationSettings.from_config(cfg))
-    return result
+    if cfg.ssh_conn_id:
+        result = _remote(cfg, "generate", "--shard", str(shard), check=False)
+        if result.exit_code != 0:
+            raise ShardFailed(result.tail())
+        return next((line for line in reversed(result.lines) if line.startswith("shard ")), "")
+    return generate_shard(cfg.prompts, cfg.output, endpoints(cfg), shard, cfg.num_shards,
+                          GenerationSettings.from_config(cfg)).summary()
 
 
-def audit(cfg: RunConfig):
+def audit(cfg: RunConfig) -> dict:
+    """The audit's summary; AuditFailed (with the five-line summary) when the data fails."""
+    if cfg.ssh_conn_id:
+        result = _remote(cfg, "audit", check=False)
+        if result.exit_code != 0:
+            raise AuditFailed(result.tail(8))
+        return {"verdict": "PASS", "summary": result.lines[-5:]}
     from regen.audit import AuditThresholds, audit_dataset
     from regen.progress import RunProgress
 
@@ -103,13 +154,6 @@ def audit(cfg: RunConfig):
     RunProgress(cfg.output).write_section("audit", report.to_json())
     for line in report.lines():
         log.info(line)
-    return report
-
-
-class AuditFailed(RuntimeError):
-    pass
-
-
-def require_pass(report) -> None:
     if not report.passed:
         raise AuditFailed("\n".join(report.lines()))
+    return report.to_json()
