@@ -41,7 +41,7 @@ demo: setup
 
 # Debian packages the tests need: openssh-server (a real sshd on loopback for the SSH-node tests).
 system:
-	@if [ ! -x /usr/sbin/sshd ]; then \
+	@mkdir -p $(VAR); if [ ! -x /usr/sbin/sshd ]; then \
 	  echo "Installing openssh-server (Debian) for the SSH tests ..."; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq openssh-server > $(VAR)/apt.log 2>&1 \
 	    || { tail -20 $(VAR)/apt.log; exit 1; }; \

@@ -167,3 +167,26 @@ def test_thinking_lost_after_the_canary_fails_the_run_at_the_audit(airflow_db, m
     assert summary["verdict"] == "FAIL"
     assert summary["degenerate_fraction"] > 0.9
     assert_no_server_left(cfg)
+
+
+def _sent(cfg) -> int:
+    progress = json.loads((ROOT / cfg.output / "progress.json").read_text())
+    return sum(s.get("sent", 0) for s in progress["shards"].values())
+
+
+@pytest.mark.slow
+def test_scheduled_reruns_are_incremental(airflow_db, make_config, tmp_path):
+    cfg = make_config(num_shards=2)
+    dag = load_dag()
+    assert dag.test(run_conf=_conf(cfg)).state == "success"
+    assert _sent(cfg) == 280
+    assert dag.test(run_conf=_conf(cfg)).state == "success"
+    assert _sent(cfg) == 0  # same prompts, model and settings: no request
+    more = tmp_path / "more.jsonl"
+    more.write_text((ROOT / "demo" / "prompts.jsonl").read_text() + "".join(
+        json.dumps({"id": f"new-{i}", "prompt": f"New question number {i}?"}) + "\n" for i in range(100)))
+    grown = cfg.model_copy(update={"prompts": str(more)})
+    assert dag.test(run_conf=_conf(grown)).state == "success"
+    assert _sent(grown) == 100  # exactly the new prompts
+    df = pd.read_parquet(f"{cfg.output}/data")
+    assert len(df) == 380 and df["id"].is_unique

@@ -197,3 +197,19 @@ def test_a_second_generator_on_the_same_shard_is_refused(tmp_path):
         with pytest.raises(ShardFailed, match=r"being generated right now by pid \d+"):
             generate_shard(PROMPTS, tmp_path / "ds", [("http://127.0.0.1:9", None)], 0, 1,
                            fast_settings())
+
+
+def test_a_rerun_reuses_good_rows_and_a_settings_change_regenerates(sim_servers, tmp_path):
+    cfg, records = sim_servers(num_servers=1)
+    prompts = subset(tmp_path, 50)
+    out = tmp_path / "ds"
+    first = generate_shard(prompts, out, endpoints(records), 0, 1, fast_settings())
+    assert first.done == 50
+    before = sim_requests_total(records[0].url)
+    again = generate_shard(prompts, out, endpoints(records), 0, 1, fast_settings())
+    assert (again.done, again.skipped) == (0, 50)
+    assert sim_requests_total(records[0].url) == before  # nothing sent
+    changed = generate_shard(prompts, out, endpoints(records), 0, 1, fast_settings(max_tokens=900))
+    assert changed.done == 50  # other settings: every row regenerated
+    df = pd.read_parquet(out / "data")
+    assert len(df) == 50 and df["id"].is_unique and df["settings_hash"].nunique() == 1

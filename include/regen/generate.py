@@ -73,10 +73,14 @@ class GenerationSettings:
     probe_interval_s: float = 2.0
     all_down_timeout_s: float = 60.0
     progress_interval_s: float = 5.0
+    model_fingerprint: str | None = None
 
     @classmethod
     def from_config(cls, cfg) -> "GenerationSettings":
+        from regen.stage import model_fingerprint
+
         return cls(
+            model_fingerprint=model_fingerprint(cfg.model_path),
             max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
             top_k=cfg.top_k, seed=cfg.seed, enable_thinking=cfg.enable_thinking,
             concurrency_per_server=cfg.concurrency_per_server,
@@ -84,9 +88,10 @@ class GenerationSettings:
             max_error_fraction=cfg.max_error_fraction,
         )
 
-    def settings_hash(self, model: str | None) -> str:
-        """What decides whether an existing row can stand for a new run's row."""
-        key = {"model": model, "max_tokens": self.max_tokens, "temperature": self.temperature,
+    def settings_hash(self) -> str:
+        """What decides whether an existing row can stand for a new run's row: the model (its
+        config, weights and chat template) and every sampling setting."""
+        key = {"model": self.model_fingerprint, "max_tokens": self.max_tokens, "temperature": self.temperature,
                "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
                "enable_thinking": self.enable_thinking}
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -309,12 +314,7 @@ class Generator:
         self.failed = 0
         self.tokens = 0
         self.recent: deque[tuple[float, int]] = deque()
-        self._hashes: dict[str | None, str] = {}
-
-    def settings_hash(self, model: str | None) -> str:
-        if model not in self._hashes:
-            self._hashes[model] = self.settings.settings_hash(model)
-        return self._hashes[model]
+        self.settings_hash = settings.settings_hash()
 
     def payload(self, endpoint: Endpoint, prompt: Prompt) -> dict[str, Any]:
         s = self.settings
@@ -405,7 +405,7 @@ class Generator:
             "server": endpoint.url,
             "attempts": attempt,
             "latency_s": round(time.monotonic() - started, 3),
-            "settings_hash": self.settings_hash(endpoint.model),
+            "settings_hash": self.settings_hash,
         }
 
     def error_row(self, prompt: Prompt, endpoint: Endpoint, error: str, attempts: int,
@@ -417,7 +417,7 @@ class Generator:
             "enable_thinking": self.settings.enable_thinking, "model": endpoint.model,
             "server": endpoint.url, "attempts": attempts,
             "latency_s": round(time.monotonic() - started, 3),
-            "settings_hash": self.settings_hash(endpoint.model),
+            "settings_hash": self.settings_hash,
             "retryable": retryable,
         }
 
@@ -560,19 +560,39 @@ def settled_ids(journal_path: Path) -> set[str]:
     return settled
 
 
-def write_parquet_from_journal(journal_path: Path, final_path: Path, batch_rows: int = 1000) -> int:
-    """Last row per id, streamed in batches; written beside the journal, renamed into place."""
-    last_line: dict[str, int] = {}
-    for lineno, row in enumerate(Journal.rows(journal_path)):
-        last_line[row["id"]] = lineno
-    keep = set(last_line.values())
+def reusable_ids(final_path: Path, settings_hash: str) -> set[str]:
+    """Ids of an existing shard file whose row is good and was made with the same model and
+    settings: an incremental run does not send them again."""
+    if not final_path.exists():
+        return set()
+    table = pq.read_table(final_path, columns=["id", "error", "settings_hash"])
+    return {i for i, e, h in zip(table["id"].to_pylist(), table["error"].to_pylist(),
+                                 table["settings_hash"].to_pylist()) if e is None and h == settings_hash}
+
+
+def _shard_rows(final_path: Path, journal_path: Path) -> Iterator[dict]:
+    """The shard's existing rows, then the journal's: later rows win."""
+    if final_path.exists():
+        for batch in pq.ParquetFile(final_path).iter_batches(batch_size=1000):
+            yield from batch.to_pylist()
+    yield from Journal.rows(journal_path)
+
+
+def write_shard_file(final_path: Path, journal_path: Path, ids: set[str], batch_rows: int = 1000) -> int:
+    """The last row of each current prompt id, streamed in batches into a file beside the
+    journal, then renamed over the shard's file: data/ never holds half a file."""
+    last: dict[str, int] = {}
+    for index, row in enumerate(_shard_rows(final_path, journal_path)):
+        if row["id"] in ids:
+            last[row["id"]] = index
+    keep = set(last.values())
     tmp = journal_path.with_suffix(".parquet.tmp")
     count = 0
     try:
         with pq.ParquetWriter(tmp, ROW_SCHEMA, compression="zstd") as writer:
             batch: list[dict] = []
-            for lineno, row in enumerate(Journal.rows(journal_path)):
-                if lineno not in keep:
+            for index, row in enumerate(_shard_rows(final_path, journal_path)):
+                if index not in keep:
                     continue
                 row.pop("retryable", None)
                 batch.append(row)
@@ -659,25 +679,31 @@ async def _generate_shard(prompts_path: Path, output: Path, endpoints: list[tupl
     errors_path = work / "errors" / f"{name}.txt"
     progress = RunProgress(output)
 
-    settled = settled_ids(journal_path)
-    total = 0
+    settled = settled_ids(journal_path) | reusable_ids(final_path, settings.settings_hash())
+    ids: set[str] = set()
     bad: list[PromptError] = []
     for item in read_shard(prompts_path, shard, num_shards):
         if isinstance(item, PromptError):
             bad.append(item)
         else:
-            total += 1
+            ids.add(item.id)
+    total = len(ids)
+    settled &= ids
     if bad:
         errors_path.parent.mkdir(parents=True, exist_ok=True)
         errors_path.write_text("".join(f"{e}\n" for e in bad))
         for err in bad[:5]:
             log.warning("unreadable prompt record: %s", err)
         log.warning("%d unreadable record(s) listed in %s", len(bad), errors_path)
-    if final_path.exists() and not journal_path.exists():
-        log.info("%s already complete: %s", name, final_path)
+    skipped = len(settled)
+    if final_path.exists() and not journal_path.exists() and skipped == total:
+        log.info("%s is up to date: every prompt has a good row made with this model and these "
+                 "settings (%s); nothing to send", name, final_path)
+        RunProgress(output).write_shard(shard, {
+            "state": "done", "shard": shard, "num_shards": num_shards, "total": total,
+            "done": total, "failed": 0, "sent": 0, "tokens_per_s": 0.0, "eta_s": 0, "servers": {}})
         return ShardResult(shard, num_shards, total, 0, 0, total, len(bad), 0.0, 0, final_path)
 
-    skipped = len(settled)
     log.info("%s: %d prompts, %d already have a row, %d to send", name, total, skipped,
              total - skipped)
     journal = Journal(journal_path)
@@ -714,6 +740,7 @@ async def _generate_shard(prompts_path: Path, output: Path, endpoints: list[tupl
                 data = {
                     "state": state, "shard": shard, "num_shards": num_shards,
                     "total": total, "done": skipped + gen.done, "failed": gen.failed,
+                    "sent": gen.done + gen.failed,
                     "rows_per_s": round(rows_s, 3), "tokens_per_s": round(tok_s, 1),
                     "eta_s": round(left / rows_s) if rows_s > 0 else None,
                     "elapsed_s": round(time.monotonic() - started, 1),
@@ -748,7 +775,7 @@ async def _generate_shard(prompts_path: Path, output: Path, endpoints: list[tupl
     finally:
         journal.close()
     try:
-        write_parquet_from_journal(journal_path, final_path)
+        write_shard_file(final_path, journal_path, ids)
     except OSError as exc:
         raise ShardFailed(f"{name}: cannot write {final_path.name}: {exc.strerror or exc}; "
                           f"data/ is unchanged and the journal is kept") from exc

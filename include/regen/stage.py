@@ -57,6 +57,23 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def model_fingerprint(model_dir: str | Path) -> str | None:
+    """What makes two generations comparable: the model's config, tokenizer and chat template
+    (contents) and its weight files (names and sizes). None when the directory is not here."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
+        rel = str(path.relative_to(model_dir))
+        digest.update(rel.encode())
+        if path.suffix in (".json", ".jinja", ".txt", ".model") and path.stat().st_size <= SMALL_FILE:
+            digest.update(path.read_bytes())
+        else:
+            digest.update(str(path.stat().st_size).encode())
+    return digest.hexdigest()[:16]
+
+
 def staged_path(src: Path, staging_dir: Path) -> Path:
     """One place per source directory, so two models with the same name do not collide."""
     tag = hashlib.sha256(str(src.resolve()).encode()).hexdigest()[:8]
