@@ -1,0 +1,68 @@
+"""regen's SGLang launch command, parsed by SGLang's own argument parser (no GPU needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from regen.servers import build_command
+
+SGLANG_PYTHON = Path(os.environ.get("REGEN_SGLANG_PYTHON")
+                     or Path.home() / ".cache" / "regen" / "sglang-0.5.23" / "bin" / "python")
+
+PARSE = """
+import json, sys
+from sglang.srt.server_args import prepare_server_args
+args = prepare_server_args(sys.argv[1:])
+keys = ["model_path", "host", "port", "api_key", "enable_metrics", "reasoning_parser",
+        "speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
+        "speculative_num_draft_tokens", "mem_fraction_static", "max_running_requests",
+        "max_mamba_cache_size", "context_length", "random_seed"]
+print(json.dumps({k: getattr(args, k) for k in keys}))
+"""
+
+
+def parse(argv: list[str]) -> subprocess.CompletedProcess:
+    assert SGLANG_PYTHON.exists(), f"{SGLANG_PYTHON}: run `make test`, which installs SGLang's parser"
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    return subprocess.run([str(SGLANG_PYTHON), "-c", PARSE, *argv[3:]], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_default_launch_command_parses(make_config):
+    cfg = make_config(engine="sglang")
+    out = parse(build_command(cfg, "/dev/shm/regen/Qwen3-32B", 30000, "k" * 48))
+    assert out.returncode == 0, out.stderr[-2000:]
+    args = json.loads(out.stdout.strip().splitlines()[-1])
+    assert args["model_path"] == "/dev/shm/regen/Qwen3-32B"
+    assert (args["host"], args["port"], args["api_key"]) == ("127.0.0.1", 30000, "k" * 48)
+    assert args["enable_metrics"] is True
+    assert args["reasoning_parser"] == "qwen3"
+
+
+def test_the_seeds_mtp_configuration_parses(make_config):
+    """The 7 x B200 run: NEXTN (MTP), 3 steps, top-k 1, 4 draft tokens, 80 Mamba cache slots."""
+    cfg = make_config(engine="sglang", speculative_algorithm="NEXTN", speculative_num_steps=3,
+                      speculative_eagle_topk=1, speculative_num_draft_tokens=4,
+                      max_mamba_cache_size=80, mem_fraction_static=0.85, max_running_requests=48,
+                      context_length=65536, seed=7)
+    out = parse(build_command(cfg, "/dev/shm/regen/Qwen3.6-27B", 30003, None))
+    assert out.returncode == 0, out.stderr[-2000:]
+    args = json.loads(out.stdout.strip().splitlines()[-1])
+    assert args["speculative_algorithm"] in ("NEXTN", "EAGLE")  # NEXTN is an alias of EAGLE
+    assert (args["speculative_num_steps"], args["speculative_eagle_topk"],
+            args["speculative_num_draft_tokens"]) == (3, 1, 4)
+    assert (args["max_mamba_cache_size"], args["max_running_requests"]) == (80, 48)
+    assert (args["mem_fraction_static"], args["context_length"], args["random_seed"]) == (0.85, 65536, 7)
+    assert args["api_key"] is None
+
+
+def test_a_flag_sglang_does_not_know_is_refused_by_its_parser(make_config):
+    cfg = make_config(engine="sglang", extra_server_args=["--speculative-tree-width", "3"])
+    out = parse(build_command(cfg, "/m", 30000, None))
+    assert out.returncode == 2
+    assert "unrecognized arguments: --speculative-tree-width" in out.stderr
