@@ -17,13 +17,21 @@ The DAG only wires tasks; the work is in the `regen` package (`include/regen`), 
 
 from __future__ import annotations
 
+import os
 from datetime import datetime, timedelta
 
-from airflow.sdk import Param, dag, get_current_context, task
+from airflow.sdk import Asset, AssetAlias, AssetAny, Param, dag, get_current_context, task
 
-from regen.config import param_schemas
+from regen.alerts import notifier
+from regen.config import param_schemas, schedule_spec
 
 PARAMS = {name: Param(default, **schema) for name, (default, schema) in param_schemas().items()}
+# The finished dataset, announced under one alias: a training DAG schedules on
+# AssetAlias("regen_dataset"); each event names the dataset's own Asset and carries its row
+# count and audit verdict.
+DATASET = AssetAlias("regen_dataset")
+_spec = schedule_spec(os.environ.get("REGEN_SCHEDULE"))
+SCHEDULE = AssetAny(*(Asset(uri) for uri in _spec)) if isinstance(_spec, list) else _spec
 
 
 def _config(params):
@@ -69,11 +77,17 @@ def generate(shard: int, params=None) -> str:
     return pipeline.generate(cfg, shard)
 
 
-@task(retries=0)
+@task(retries=0, outlets=[DATASET])
 def audit(params=None) -> dict:
     from regen import pipeline
 
-    return pipeline.audit(_config(params))
+    cfg = _config(params)
+    summary = pipeline.audit(cfg)
+    uri = f"file://{cfg.ssh_conn_id or ''}{cfg.output}/data"
+    get_current_context()["outlet_events"][DATASET].add(Asset(uri), extra={
+        "rows": summary["samples"], "verdict": summary["verdict"],
+        "degenerate_fraction": summary["degenerate_fraction"], "output": cfg.output})
+    return summary
 
 
 @task(retries=1, retry_delay=timedelta(seconds=5))
@@ -85,13 +99,14 @@ def stop_servers(params=None) -> int:
 
 @dag(
     dag_id="regenerate_dataset",
-    schedule=None,
+    schedule=SCHEDULE,
     start_date=datetime(2026, 1, 1),
     catchup=False,
     max_active_runs=1,
     params=PARAMS,
     doc_md=__doc__,
     tags=["regen", "llm-data"],
+    default_args={"on_failure_callback": [notifier()]},
 )
 def regenerate_dataset():
     shards = preflight()

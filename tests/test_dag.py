@@ -107,6 +107,18 @@ def _states(run) -> dict[str, list[str]]:
     return states
 
 
+def asset_events(uri: str) -> list[dict]:
+    """The extras of the asset events recorded in the metadata DB for ``uri``."""
+    from airflow.models.asset import AssetEvent, AssetModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        rows = session.execute(select(AssetEvent.extra).join(AssetModel, AssetEvent.asset_id == AssetModel.id)
+                               .where(AssetModel.uri == uri)).all()
+    return [row[0] for row in rows]
+
+
 def assert_no_server_left(cfg) -> None:
     """No process serving any of the run's ports, and every port free."""
     for i in range(cfg.num_servers):
@@ -129,12 +141,18 @@ def test_dag_run_writes_one_row_per_prompt_and_stops_servers(airflow_db, make_co
         assert column in df.columns
     assert df["reasoning_content"].notna().all()
     assert (ROOT / cfg.output / "audit" / "report.html").exists()
+    # The finished dataset is announced as an asset event with its row count and verdict.
+    events = asset_events(f"file://{cfg.output}/data")
+    assert len(events) == 1
+    assert events[0]["rows"] == 280 and events[0]["verdict"] == "PASS"
     assert read_state(f"{cfg.output}/work/servers") == []  # teardown cleared the state
     assert_no_server_left(cfg)
 
 
 @pytest.mark.slow
-def test_servers_without_thinking_fail_the_canary_and_teardown_still_stops_them(airflow_db, make_config):
+def test_servers_without_thinking_fail_the_canary_and_teardown_still_stops_them(airflow_db, make_config,
+                                                                                  monkeypatch, tmp_path):
+    monkeypatch.setenv("REGEN_ALERT_FILE", str(tmp_path / "alerts.jsonl"))
     cfg = make_config(sim_ignore_thinking=True)
     state_file = f"{cfg.output}/work/servers/servers.json"
     run = load_dag().test(run_conf=_conf(cfg))
@@ -150,6 +168,10 @@ def test_servers_without_thinking_fail_the_canary_and_teardown_still_stops_them(
     assert len(logs) == cfg.num_servers  # they did start, and were stopped:
     assert_no_server_left(cfg)
     assert not (ROOT / state_file).exists()
+    alerts = [json.loads(line) for line in (tmp_path / "alerts.jsonl").read_text().splitlines()]
+    assert [a["stage"] for a in alerts] == ["canary"]
+    assert "CanaryFailed" in alerts[0]["reason"] and "without reasoning" in alerts[0]["reason"]
+    assert alerts[0]["run_id"] == run.run_id
 
 
 @pytest.mark.slow
@@ -166,6 +188,7 @@ def test_thinking_lost_after_the_canary_fails_the_run_at_the_audit(airflow_db, m
     summary = json.loads((ROOT / cfg.output / "audit" / "summary.json").read_text())
     assert summary["verdict"] == "FAIL"
     assert summary["degenerate_fraction"] > 0.9
+    assert asset_events(f"file://{cfg.output}/data") == []  # a failed audit announces nothing
     assert_no_server_left(cfg)
 
 

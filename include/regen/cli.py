@@ -220,6 +220,10 @@ def cmd_audit(args) -> int:
         return EXIT_USAGE
     for line in report.lines():
         print(line)
+    if args.summary_json:
+        import json
+
+        print(json.dumps(report.to_json()))
     return 0 if report.passed else EXIT_FAILED
 
 
@@ -317,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", help="report directory (default: next to data/, in audit/)")
     p.add_argument("--no-thinking", dest="enable_thinking", action="store_false", default=None,
                    help="rows without enable_thinking were generated with thinking off")
+    p.add_argument("--summary-json", action="store_true", help="also print summary.json's content")
     p.set_defaults(func=cmd_audit)
 
     p = sub.add_parser("export", help="write the dataset as SpecForge/DFlash training JSONL")

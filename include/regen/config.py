@@ -478,3 +478,18 @@ def param_schemas() -> dict[str, tuple[Any, dict[str, Any]]]:
 
 def demo_config() -> RunConfig:
     return RunConfig.load(DEMO_CONFIG)
+
+
+def schedule_spec(value: str | None) -> str | list[str] | None:
+    """The DAG's schedule as the deployment sets it in REGEN_SCHEDULE, without a code change:
+    empty or "none" (triggered by hand), a cron expression or preset ("0 3 * * 6", "@weekly"),
+    or "asset:URI" terms joined by "|" (a run when any of them updates, e.g. a new checkpoint)."""
+    value = (value or "").strip()
+    if value.lower() in ("", "none"):
+        return None
+    if value.startswith("asset:"):
+        uris = [term.strip()[len("asset:"):] for term in value.split("|")]
+        if not all(uris) or not all(term.strip().startswith("asset:") for term in value.split("|")):
+            raise ConfigError(f"REGEN_SCHEDULE: {value!r}: write asset:URI[|asset:URI...]")
+        return uris
+    return value

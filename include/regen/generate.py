@@ -752,10 +752,13 @@ async def _generate_shard(prompts_path: Path, output: Path, endpoints: list[tupl
                 return data
 
             async def reporter() -> None:
+                from regen.alerts import check_overdue
+
                 while True:
                     await asyncio.sleep(settings.progress_interval_s)
                     await asyncio.gather(*(_scrape_metrics(e) for e in eps))
                     data = report()
+                    check_overdue(output)
                     log.info("shard %d/%d: %s/%s done, %d failed, %s tok/s, ETA %s", shard, num_shards,
                              f"{data['done']:,}", f"{total:,}", data["failed"],
                              f"{data['tokens_per_s']:,.0f}", format_duration(data["eta_s"]))

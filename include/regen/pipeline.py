@@ -141,10 +141,12 @@ def generate(cfg: RunConfig, shard: int) -> str:
 def audit(cfg: RunConfig) -> dict:
     """The audit's summary; AuditFailed (with the five-line summary) when the data fails."""
     if cfg.ssh_conn_id:
-        result = _remote(cfg, "audit", check=False)
+        import json
+
+        result = _remote(cfg, "audit", "--summary-json", check=False)
         if result.exit_code != 0:
             raise AuditFailed(result.tail(8))
-        return {"verdict": "PASS", "summary": result.lines[-5:]}
+        return json.loads(result.lines[-1])
     from regen.audit import AuditThresholds, audit_dataset
     from regen.progress import RunProgress
 

@@ -1,0 +1,63 @@
+"""Schedules set by the deployment, and alerts a deployment can point anywhere."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from regen.alerts import check_overdue, send
+from regen.config import ConfigError, schedule_spec
+from regen.progress import RunProgress
+
+
+@pytest.mark.parametrize("value, spec", [
+    (None, None), ("", None), ("none", None), ("@weekly", "@weekly"), ("0 3 * * 6", "0 3 * * 6"),
+    ("asset:file:///data/prompts.jsonl", ["file:///data/prompts.jsonl"]),
+    ("asset:s3://ckpt/qwen3 | asset:file:///p.jsonl", ["s3://ckpt/qwen3", "file:///p.jsonl"]),
+])
+def test_schedule_from_the_environment(value, spec):
+    assert schedule_spec(value) == spec
+
+
+def test_a_malformed_asset_schedule_is_refused():
+    with pytest.raises(ConfigError, match="REGEN_SCHEDULE"):
+        schedule_spec("asset:s3://a|@daily")
+
+
+def test_the_dag_takes_its_schedule_from_the_environment(monkeypatch):
+    import runpy
+
+    from conftest import ROOT
+
+    monkeypatch.setenv("REGEN_SCHEDULE", "asset:file:///data/prompts.jsonl|asset:s3://ckpt/latest")
+    dag = runpy.run_path(str(ROOT / "dags" / "regenerate_dataset.py"))["regenerate_dataset"]()
+    uris = sorted(asset.uri for asset in dag.timetable.asset_condition.objects)
+    assert uris == ["file:///data/prompts.jsonl", "s3://ckpt/latest"]
+    monkeypatch.setenv("REGEN_SCHEDULE", "0 3 * * 6")
+    dag = runpy.run_path(str(ROOT / "dags" / "regenerate_dataset.py"))["regenerate_dataset"]()
+    assert dag.timetable.expression == "0 3 * * 6"
+
+
+def test_alerts_go_to_the_configured_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("REGEN_ALERT_FILE", str(tmp_path / "alerts.jsonl"))
+    send("audit", "failed: AuditFailed: 870 of 1,000 samples degenerate", run_id="r1")
+    alert = json.loads((tmp_path / "alerts.jsonl").read_text())
+    assert alert["text"] == "regen: audit failed: AuditFailed: 870 of 1,000 samples degenerate"
+    assert alert["run_id"] == "r1"
+
+
+def test_a_run_well_past_the_canary_estimate_alerts_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("REGEN_ALERT_FILE", str(tmp_path / "alerts.jsonl"))
+    progress = RunProgress(tmp_path / "out")
+    progress.write_section("canary", {"estimate": {"eta_s": 100}})
+    assert check_overdue(tmp_path / "out") is None  # just started
+    canary = tmp_path / "out" / "work" / "progress" / "canary.json"
+    data = json.loads(canary.read_text())
+    data["updated"] = time.time() - 250  # 2.5x the estimate has passed
+    canary.write_text(json.dumps(data))
+    alert = check_overdue(tmp_path / "out")
+    assert alert["stage"] == "generate" and "2.5x past the canary's estimate" in alert["reason"]
+    assert check_overdue(tmp_path / "out") is None  # once
+    assert len((tmp_path / "alerts.jsonl").read_text().splitlines()) == 1
