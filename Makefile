@@ -39,12 +39,13 @@ demo: setup
 	  || { tail -40 $(VAR)/demo.log; exit 1; }
 	$(VENV)/bin/regen summary --config demo/config.yaml
 
-# Debian packages the tests need: openssh-server (a real sshd on loopback for the SSH-node tests).
+# Debian packages the tests need: openssh-server (a real sshd on loopback for the SSH-node tests)
+# and chromium (the run-page test). About a minute the first time on a fresh machine.
 system:
-	@mkdir -p $(VAR); if [ ! -x /usr/sbin/sshd ]; then \
-	  echo "Installing openssh-server (Debian) for the SSH tests ..."; \
-	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq openssh-server > $(VAR)/apt.log 2>&1 \
-	    || { tail -20 $(VAR)/apt.log; exit 1; }; \
+	@mkdir -p $(VAR); if [ ! -x /usr/sbin/sshd ] || [ ! -x /usr/bin/chromium ]; then \
+	  echo "Installing openssh-server and chromium (Debian) for the tests ..."; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq \
+	    openssh-server chromium > $(VAR)/apt.log 2>&1 || { tail -20 $(VAR)/apt.log; exit 1; }; \
 	fi
 
 # SGLang's own argument parser, to check regen's launch command (SGLang cannot serve on a CPU,

@@ -98,15 +98,17 @@ class RunProgress:
         rps = sum(s.get("rows_per_s", 0.0) for s in running)
         remaining = total - done - failed
         servers: dict[str, dict] = {}
-        for s in running:
+        for s in shards.values():
+            live = s.get("state") == "running"
             for url, srv in (s.get("servers") or {}).items():
                 agg = servers.setdefault(url, {"done": 0, "failed": 0, "in_flight": 0, "healthy": True})
                 agg["done"] += srv.get("done", 0)
                 agg["failed"] += srv.get("failed", 0)
-                agg["in_flight"] += srv.get("in_flight", 0)
-                agg["healthy"] = agg["healthy"] and srv.get("healthy", True)
-                if srv.get("metrics"):
-                    agg["metrics"] = srv["metrics"]
+                if live:
+                    agg["in_flight"] += srv.get("in_flight", 0)
+                    agg["healthy"] = agg["healthy"] and srv.get("healthy", True)
+                    if srv.get("metrics"):
+                        agg["metrics"] = srv["metrics"]
         summary = {
             "done": done, "failed": failed, "total": total,
             "tokens_per_s": round(tps, 1),
@@ -115,4 +117,14 @@ class RunProgress:
             "updated": time.time(),
         }
         atomic_write_json(self.path, summary)
+        self._append_history(summary)
         return summary
+
+    def _append_history(self, summary: dict, every_s: float = 5.0) -> None:
+        """One point every few seconds, whoever writes: the run page's throughput chart."""
+        path = self.dir / "history.jsonl"
+        if path.exists() and time.time() - path.stat().st_mtime < every_s:
+            return
+        point = {k: summary[k] for k in ("done", "failed", "total", "tokens_per_s")}
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"t": round(time.time(), 1), **point}) + "\n")

@@ -1,0 +1,128 @@
+"""The run page: progress per shard and per server, tokens per second over time, ETA, the
+canary's estimate and the audit's verdict, for one run of regenerate_dataset.
+
+Served by the Airflow plugin (plugins/regen_plugin.py) inside Airflow's API server and shown as
+an external view on each dag run. Airflow does not guard plugin routes, so every route here
+depends on Airflow's own ``requires_access_dag`` (read access to the DAG's runs): the caller's
+token (the UI's cookie, or a Bearer header) is checked by the deployment's auth manager.
+"""
+
+# No `from __future__ import annotations` here: FastAPI must see the real dependency types of
+# the routes, which are defined inside create_app.
+import json
+from pathlib import Path
+
+from regen.config import RunConfig
+from regen.progress import read_json
+
+HISTORY_POINTS = 2000
+
+
+def run_output(conf: "dict | None") -> Path:
+    """Where a run wrote its dataset: its Params, else the defaults it ran with."""
+    cfg = RunConfig.from_mapping({k: v for k, v in (conf or {}).items() if k in RunConfig.model_fields},
+                                 source="run conf")
+    return Path(cfg.output)
+
+
+def run_data(output: Path) -> dict:
+    progress = read_json(output / "progress.json") or {}
+    history = []
+    path = output / "work" / "progress" / "history.jsonl"
+    if path.exists():
+        lines = path.read_text().splitlines()[-HISTORY_POINTS:]
+        history = [json.loads(line) for line in lines if line.strip()]
+    return {"output": str(output), "progress": progress, "history": history,
+            "audit": read_json(output / "audit" / "summary.json")}
+
+
+def create_app():
+    from fastapi import Depends, FastAPI, HTTPException
+    from fastapi.responses import FileResponse, HTMLResponse
+    from sqlalchemy import select
+
+    from airflow.api_fastapi.common.db.common import SessionDep
+    from airflow.api_fastapi.core_api.security import requires_access_dag
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
+    from airflow.models.dagrun import DagRun
+
+    app = FastAPI(title="regen run page")
+    guard = [Depends(requires_access_dag(method="GET", access_entity=DagAccessEntity.RUN))]
+
+    def output_of(dag_id: str, run_id: str, session) -> Path:
+        run = session.scalar(select(DagRun).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
+        if run is None:
+            raise HTTPException(404, f"no run {run_id!r} of {dag_id!r}")
+        return run_output(run.conf)
+
+    @app.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse, dependencies=guard)
+    def page(dag_id: str, run_id: str, session: SessionDep) -> str:
+        output_of(dag_id, run_id, session)
+        return PAGE.replace("__TITLE__", f"{dag_id} / {run_id}")
+
+    @app.get("/runs/{dag_id}/{run_id}/data", dependencies=guard)
+    def data(dag_id: str, run_id: str, session: SessionDep) -> dict:
+        return run_data(output_of(dag_id, run_id, session))
+
+    @app.get("/runs/{dag_id}/{run_id}/report", dependencies=guard)
+    def report(dag_id: str, run_id: str, session: SessionDep):
+        path = output_of(dag_id, run_id, session) / "audit" / "report.html"
+        if not path.exists():
+            raise HTTPException(404, "the audit has not run yet")
+        return FileResponse(path, media_type="text/html")
+
+    return app
+
+
+PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>regen: __TITLE__</title>
+<style>
+body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}h1{font-size:1.3em}h2{font-size:1.05em;margin-top:1.5em}
+table{border-collapse:collapse}td,th{padding:.25em .7em;border-bottom:1px solid #ddd;text-align:right}
+td:first-child,th:first-child{text-align:left}.bar{background:#e8eef8;width:12em;height:.8em;display:inline-block}
+.fill{background:#4472c4;height:100%}.PASS{background:#2e7d32}.FAIL{background:#c62828}
+.verdict{color:#fff;padding:.2em .7em;border-radius:3px}.muted{color:#777}
+</style></head><body>
+<h1>regen run <span class="muted">__TITLE__</span></h1>
+<div id="summary" class="muted">loading...</div>
+<h2>Tokens per second</h2><svg id="chart" width="640" height="160" style="border:1px solid #ddd"></svg>
+<h2>Shards</h2><table id="shards"></table>
+<h2>Servers</h2><table id="servers"></table>
+<h2>Audit</h2><div id="audit" class="muted">not run yet</div>
+<script>
+const fmt = n => n == null ? "?" : Number(n).toLocaleString();
+const dur = s => s == null ? "?" : s < 120 ? Math.round(s) + " s" : s < 7200 ? Math.round(s / 60) + " min" : (s / 3600).toFixed(1) + " h";
+function row(cells, head) { const tag = head ? "th" : "td"; return "<tr>" + cells.map(c => `<${tag}>${c}</${tag}>`).join("") + "</tr>"; }
+function bar(done, total) { const pct = total ? Math.round(100 * done / total) : 0; return `<span class="bar"><span class="fill" style="display:block;width:${pct}%"></span></span> ${pct}%`; }
+function chart(history) {
+  const svg = document.getElementById("chart"); if (!history.length) { svg.innerHTML = ""; return; }
+  const t0 = history[0].t, t1 = history[history.length - 1].t || t0 + 1, ymax = Math.max(1, ...history.map(h => h.tokens_per_s));
+  const pts = history.map(h => `${10 + 620 * (h.t - t0) / Math.max(1, t1 - t0)},${150 - 140 * h.tokens_per_s / ymax}`).join(" ");
+  svg.innerHTML = `<polyline fill="none" stroke="#4472c4" stroke-width="2" points="${pts}"/><text x="12" y="14" font-size="11">${fmt(Math.round(ymax))} tok/s</text>`;
+}
+async function refresh() {
+  const r = await fetch(location.pathname.replace(/\\/$/, "") + "/data", {credentials: "same-origin"});
+  if (!r.ok) { document.getElementById("summary").textContent = "error " + r.status; return; }
+  const d = await r.json(), p = d.progress || {}, canary = p.canary || {};
+  document.getElementById("summary").innerHTML =
+    `<b>${fmt(p.done)}</b> of ${fmt(p.total)} done, ${fmt(p.failed)} failed, ${fmt(Math.round(p.tokens_per_s || 0))} tok/s, ETA ${dur(p.eta_s)}` +
+    (canary.estimate && canary.estimate.text ? ` &middot; canary estimate: ${canary.estimate.text}` : "") + ` &middot; <span class="muted">${d.output}</span>`;
+  chart(d.history);
+  const shards = Object.values(p.shards || {}).sort((a, b) => a.shard - b.shard);
+  document.getElementById("shards").innerHTML = row(["shard", "state", "progress", "done", "failed", "tok/s", "ETA"], true) +
+    shards.map(s => row([`shard ${s.shard}/${s.num_shards}`, s.state, bar(s.done, s.total), `${fmt(s.done)}/${fmt(s.total)}`, fmt(s.failed), fmt(Math.round(s.tokens_per_s || 0)), dur(s.eta_s)])).join("");
+  const servers = Object.entries(p.servers || {});
+  document.getElementById("servers").innerHTML = row(["server", "healthy", "done", "failed", "in flight", "running", "queued", "accept length"], true) +
+    servers.map(([url, s]) => { const m = s.metrics || {}; return row([url, s.healthy ? "yes" : "no", fmt(s.done), fmt(s.failed), fmt(s.in_flight), fmt(m.running), fmt(m.queued), m.spec_accept_length == null ? "" : m.spec_accept_length]); }).join("");
+  const a = d.audit;
+  if (a) {
+    document.getElementById("audit").innerHTML = `<span id="verdict" class="verdict ${a.verdict}">${a.verdict}</span> degenerate fraction ${a.degenerate_fraction}` +
+      "<ul>" + a.summary.map(l => `<li>${l.replace(/</g, "&lt;")}</li>`).join("") + "</ul>" +
+      row(["finding", "samples"], true).replace(/^/, "<table>") + Object.entries(a.counts).map(([k, v]) => row([k, fmt(v)])).join("") + "</table>" +
+      `<p><a href="${location.pathname.replace(/\\/$/, "")}/report">full report with histograms</a></p>` +
+      `<iframe src="${location.pathname.replace(/\\/$/, "")}/report" width="100%" height="700" style="border:0"></iframe>`;
+  }
+  if (!a) setTimeout(refresh, 5000);
+}
+refresh();
+</script></body></html>
+"""
