@@ -50,13 +50,15 @@ system:
 
 # SGLang's own argument parser, to check regen's launch command (SGLang cannot serve on a CPU,
 # but its parser imports). About 80 s and 2.5 GB once; cached outside the clone for later runs.
+# Keyed by the content of its requirement files (not their mtimes, which a fresh clone resets).
 SGLANG_VERSION := $(shell sed -n 's/^sglang==//p' requirements-gpu.txt)
-SGLANG_VENV := $(HOME)/.cache/regen/sglang-$(SGLANG_VERSION)
+SGLANG_KEY := $(shell cat requirements-gpu.txt requirements-sglang-parser.txt | sha256sum | cut -c1-12)
+SGLANG_VENV := $(HOME)/.cache/regen/sglang-$(SGLANG_VERSION)-$(SGLANG_KEY)
 export REGEN_SGLANG_PYTHON := $(SGLANG_VENV)/bin/python
 
 sglang-parser: $(SGLANG_VENV)/.installed
 
-$(SGLANG_VENV)/.installed: requirements-gpu.txt requirements-sglang-parser.txt
+$(SGLANG_VENV)/.installed:
 	@echo "Installing SGLang $(SGLANG_VERSION)'s argument parser into $(SGLANG_VENV) (once) ..."
 	python3 -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/pip install -q torch==2.13.0 2>&1 | $(QUIET_PIP)

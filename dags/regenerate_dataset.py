@@ -32,6 +32,9 @@ PARAMS = {name: Param(default, **schema) for name, (default, schema) in param_sc
 DATASET = AssetAlias("regen_dataset")
 _spec = schedule_spec(os.environ.get("REGEN_SCHEDULE"))
 SCHEDULE = AssetAny(*(Asset(uri) for uri in _spec)) if isinstance(_spec, list) else _spec
+# On a Celery cluster, the queue of the GPU node's worker, and a pool bounding shards in flight.
+QUEUE = os.environ.get("REGEN_QUEUE", "default")
+SHARD_POOL = os.environ.get("REGEN_POOL", "default_pool")
 
 
 def _config(params):
@@ -68,7 +71,8 @@ def canary(params=None) -> dict:
     return pipeline.canary(_config(params))
 
 
-@task(retries=2, retry_delay=timedelta(seconds=30), map_index_template="{{ shard_label }}")
+@task(retries=2, retry_delay=timedelta(seconds=30), map_index_template="{{ shard_label }}",
+      pool=SHARD_POOL)
 def generate(shard: int, params=None) -> str:
     from regen import pipeline
 
@@ -106,7 +110,7 @@ def stop_servers(params=None) -> int:
     params=PARAMS,
     doc_md=__doc__,
     tags=["regen", "llm-data"],
-    default_args={"on_failure_callback": [notifier()]},
+    default_args={"on_failure_callback": [notifier()], "queue": QUEUE},
 )
 def regenerate_dataset():
     shards = preflight()

@@ -11,8 +11,8 @@ import pytest
 
 from regen.servers import build_command
 
-SGLANG_PYTHON = Path(os.environ.get("REGEN_SGLANG_PYTHON")
-                     or Path.home() / ".cache" / "regen" / "sglang-0.5.23" / "bin" / "python")
+SGLANG_PYTHON = Path(os.environ.get("REGEN_SGLANG_PYTHON") or next(
+    iter(sorted((Path.home() / ".cache" / "regen").glob("sglang-*/bin/python"))), "missing"))
 
 PARSE = """
 import json, sys

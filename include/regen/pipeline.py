@@ -8,6 +8,7 @@ preflight, which compiles them all) without breaking the import of the others. W
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -18,6 +19,17 @@ log = logging.getLogger("regen")
 
 class AuditFailed(RuntimeError):
     pass
+
+
+@contextlib.contextmanager
+def log_group(title: str):
+    """Airflow's task log folds what is logged between these markers: the detail of a long
+    stage stays one click away, and its summary, logged after, is what a person sees."""
+    log.info("::group::%s", title)
+    try:
+        yield
+    finally:
+        log.info("::endgroup::")
 
 
 def state_dir(cfg: RunConfig) -> Path:
@@ -31,7 +43,8 @@ def report_dir(cfg: RunConfig) -> Path:
 def _remote(cfg: RunConfig, *args: str, check: bool = True):
     from regen.remote import run_regen
 
-    return run_regen(cfg, *args, check=check)
+    with log_group(f"regen {args[0]} on {cfg.ssh_conn_id}"):
+        return run_regen(cfg, *args, check=check)
 
 
 def preflight(cfg: RunConfig) -> list[int]:
@@ -45,9 +58,10 @@ def preflight(cfg: RunConfig) -> list[int]:
             raise PreflightFailed([f"{cfg.ssh_conn_id}: {line}" for line in result.lines
                                    if line and not line.startswith("preflight:")])
         return list(range(cfg.num_shards))
-    report = run_preflight(cfg, state_dir(cfg))
-    for key, value in report.info.items():
-        log.info("preflight: %s = %s", key, value)
+    with log_group("preflight checks"):
+        report = run_preflight(cfg, state_dir(cfg))
+        for key, value in report.info.items():
+            log.info("preflight: %s = %s", key, value)
     if not report.ok:
         for problem in report.problems:
             log.error("preflight: %s", problem)
@@ -75,7 +89,10 @@ def start_servers(cfg: RunConfig, served_model_path: str | None = None) -> list[
         return [line.strip() for line in lines if line.startswith("http://")]
     from regen.servers import start_servers as start
 
-    return [r.url for r in start(cfg, model, state_dir(cfg))]
+    with log_group("launch and health checks"):
+        urls = [r.url for r in start(cfg, model, state_dir(cfg))]
+    log.info("%d server(s) healthy: %s", len(urls), ", ".join(urls))
+    return urls
 
 
 def stop_servers(cfg: RunConfig) -> int:
@@ -118,7 +135,8 @@ def canary(cfg: RunConfig) -> dict:
         if result.exit_code != 0:
             raise CanaryFailed(result.tail())
         return {"text": result.lines[-1] if result.lines else ""}
-    result = run_canary(cfg, endpoints(cfg))
+    with log_group("canary requests and audit"):
+        result = run_canary(cfg, endpoints(cfg))
     if result.problems:
         raise CanaryFailed("\n".join(result.problems))
     log.info("canary passed: %d samples; estimate: %s", len(result.rows),
@@ -134,8 +152,11 @@ def generate(cfg: RunConfig, shard: int) -> str:
         if result.exit_code != 0:
             raise ShardFailed(result.tail())
         return next((line for line in reversed(result.lines) if line.startswith("shard ")), "")
-    return generate_shard(cfg.prompts, cfg.output, endpoints(cfg), shard, cfg.num_shards,
-                          GenerationSettings.from_config(cfg)).summary()
+    with log_group(f"shard {shard}/{cfg.num_shards}: progress"):
+        summary = generate_shard(cfg.prompts, cfg.output, endpoints(cfg), shard, cfg.num_shards,
+                                 GenerationSettings.from_config(cfg)).summary()
+    log.info(summary)
+    return summary
 
 
 def audit(cfg: RunConfig) -> dict:
@@ -150,9 +171,10 @@ def audit(cfg: RunConfig) -> dict:
     from regen.audit import AuditThresholds, audit_dataset
     from regen.progress import RunProgress
 
-    report = audit_dataset(Path(cfg.output) / "data", cfg.model_path, report_dir(cfg),
-                           AuditThresholds(cfg.min_loss_tokens, cfg.max_degenerate_fraction),
-                           default_thinking=cfg.enable_thinking)
+    with log_group("audit progress"):
+        report = audit_dataset(Path(cfg.output) / "data", cfg.model_path, report_dir(cfg),
+                               AuditThresholds(cfg.min_loss_tokens, cfg.max_degenerate_fraction),
+                               default_thinking=cfg.enable_thinking)
     RunProgress(cfg.output).write_section("audit", report.to_json())
     for line in report.lines():
         log.info(line)
