@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,31 +20,14 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_client import make_prompts  # noqa: E402
+from bench_client import make_prompts, start_sims  # noqa: E402
 from results import write_section  # noqa: E402
 
 from regen.generate import GenerationSettings, generate_shard  # noqa: E402
-from regen.servers import ServerRecord, wait_healthy  # noqa: E402
 
 SLOTS = 8
 FAST, SLOW = 400.0, 200.0
 SPEEDS = [FAST] * 6 + [SLOW]
-
-
-def start_sims(model: Path, base: int) -> tuple[list[subprocess.Popen], list[str]]:
-    procs, urls = [], []
-    for i, speed in enumerate(SPEEDS):
-        port = base + i
-        argv = [sys.executable, "-m", "regen", "sim", "--port", str(port), "--model-path", str(model),
-                "--max-running-requests", str(SLOTS), "--sim-tokens-per-second", str(speed)]
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append(proc)
-        urls.append(f"http://127.0.0.1:{port}")
-    for proc, url, argv in zip(procs, urls, [p.args for p in procs]):
-        port = int(url.rsplit(":", 1)[1])
-        wait_healthy([(ServerRecord(0, None, "127.0.0.1", port, proc.pid, "/dev/null", argv, None),
-                       proc)], 60)
-    return procs, urls
 
 
 def round_robin(prompts, urls: list[str]) -> tuple[float, int]:
@@ -85,7 +66,9 @@ def main() -> None:
         model = build_tiny_model(tmp / "model")
         prompts_path = tmp / "prompts.jsonl"
         prompts = make_prompts(prompts_path, args.prompts)
-        procs, urls = start_sims(model, 39201)
+        procs, urls = start_sims(model, {39201 + i: ["--max-running-requests", str(SLOTS),
+                                                     "--sim-tokens-per-second", str(speed)]
+                                         for i, speed in enumerate(SPEEDS)})
         try:
             started = time.perf_counter()
             result = generate_shard(prompts_path, tmp / "out", [(u, None) for u in urls], 0, 1,

@@ -39,16 +39,16 @@ def make_prompts(path: Path, count: int) -> list[Prompt]:
     return [p for p in read_prompts(path) if isinstance(p, Prompt)]
 
 
-def start_sims(model: Path, ports: list[int]) -> list[subprocess.Popen]:
-    procs = []
-    for port in ports:
+def start_sims(model: Path, servers: dict[int, list[str]]) -> tuple[list[subprocess.Popen], list[str]]:
+    """`regen sim` on each port with its flags, all healthy; (processes, URLs)."""
+    launched = []
+    for port, flags in servers.items():
         argv = [sys.executable, "-m", "regen", "sim", "--port", str(port), "--model-path", str(model),
-                "--max-running-requests", "256"]
+                *flags]
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_healthy([(ServerRecord(0, None, "127.0.0.1", port, proc.pid, "/dev/null", argv, None),
-                       proc)], 60)
-        procs.append(proc)
-    return procs
+        launched.append((ServerRecord(0, None, "127.0.0.1", port, proc.pid, "/dev/null", argv, None), proc))
+    wait_healthy(launched, 60)
+    return [proc for _, proc in launched], [record.url for record, _ in launched]
 
 
 def run_regen(prompts_path: Path, out: Path, urls: list[str]) -> None:
@@ -100,9 +100,8 @@ def main() -> None:
         model = build_tiny_model(tmp / "model")
         prompts_path = tmp / "prompts.jsonl"
         prompts = make_prompts(prompts_path, args.requests)
-        ports = [39101, 39102]
-        sims = start_sims(model, ports)
-        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        sims, urls = start_sims(model, {port: ["--max-running-requests", "256"]
+                                        for port in (39101, 39102)})
         try:
             best = {"regen": (1e9, 1e9), "AsyncOpenAI + semaphore": (1e9, 1e9)}
             for r in range(args.rounds):
