@@ -143,3 +143,73 @@ def wait_until(predicate, timeout: float, what: str = "condition") -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not met within {timeout} s")
         time.sleep(0.02)
+
+
+def airflow_env(home: Path, port: int, **extra: str) -> dict[str, str]:
+    """An Airflow deployment of this project on loopback: its own home, API port, our DAG."""
+    return dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", AIRFLOW_HOME=str(home),
+                AIRFLOW__API__PORT=str(port), AIRFLOW__API__HOST="127.0.0.1",
+                AIRFLOW__CORE__LOAD_EXAMPLES="False",
+                AIRFLOW__CORE__DAGS_FOLDER=str(ROOT / "dags"),
+                AIRFLOW__CORE__PLUGINS_FOLDER=str(ROOT / "plugins"),
+                AIRFLOW__CORE__EXECUTION_API_SERVER_URL=f"http://127.0.0.1:{port}/execution/",
+                AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL="5", **extra)
+
+
+class AirflowProcesses:
+    """Airflow components started for a test, each in its own session with a log; all stopped."""
+
+    def __init__(self, home: Path, env: dict[str, str]):
+        self.home, self.env = home, env
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *argv: str, **extra_env: str) -> None:
+        log = open(self.home / f"{name}.log", "wb")
+        self.procs[name] = subprocess.Popen([str(BIN / "airflow"), *argv], env={**self.env, **extra_env},
+                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_api(self, base: str, timeout: float = 180) -> None:
+        import httpx
+
+        def up() -> bool:
+            for name, proc in self.procs.items():
+                assert proc.poll() is None, f"{name} died: " + (self.home / f"{name}.log").read_text()[-3000:]
+            try:
+                return httpx.get(f"{base}/api/v2/monitor/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, timeout, "the Airflow API server")
+
+    def stop(self) -> None:
+        import signal
+
+        for proc in self.procs.values():
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def trigger_run(api, cfg) -> str:
+    """Wait for the DAG to be parsed, unpause it, trigger a run of ``cfg`` through the REST API."""
+    import json
+
+    wait_until(lambda: api.get("/dags/regenerate_dataset").status_code == 200, 180, "DAG parsed")
+    assert api.patch("/dags/regenerate_dataset", json={"is_paused": False}).status_code == 200
+    created = api.post("/dags/regenerate_dataset/dagRuns",
+                       json={"logical_date": None, "conf": json.loads(cfg.model_dump_json())})
+    assert created.status_code == 200, created.text
+    return created.json()["dag_run_id"]
+
+
+def wait_run(api, run_id: str, timeout: float) -> str:
+    path = f"/dags/regenerate_dataset/dagRuns/{run_id}"
+    wait_until(lambda: api.get(path).json()["state"] in ("success", "failed"), timeout, "the run")
+    return api.get(path).json()["state"]

@@ -7,11 +7,9 @@ with every id exactly once. The test starts and stops every process it needs (ab
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import time
 import uuid
 from pathlib import Path
 
@@ -19,7 +17,8 @@ import httpx
 import pandas as pd
 import pytest
 
-from conftest import BIN, ROOT, free_port_base, read_ids, wait_until
+from conftest import (BIN, ROOT, AirflowProcesses, airflow_env, free_port_base, read_ids,
+                      trigger_run, wait_run, wait_until)
 from regen.generate import Journal, shard_name
 
 PG = "postgresql+psycopg2://postgres@127.0.0.1:5432"
@@ -39,75 +38,39 @@ def cluster(tmp_path_factory):
     redis_db = str(8 + os.getpid() % 7)
     subprocess.run(["redis-cli", "-h", "127.0.0.1", "-n", redis_db, "flushdb"], check=True,
                    capture_output=True)
-    env = dict(
-        os.environ, PATH=f"{BIN}:{os.environ['PATH']}", AIRFLOW_HOME=str(home),
-        PYTHONPATH=str(ROOT / "tests" / "fixtures"),
+    env = airflow_env(
+        home, port, PYTHONPATH=str(ROOT / "tests" / "fixtures"),
         AIRFLOW__CORE__EXECUTOR="CeleryExecutor",
         AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"{PG}/{db}",
         AIRFLOW__CELERY__BROKER_URL=f"redis://127.0.0.1:6379/{redis_db}",
         AIRFLOW__CELERY__RESULT_BACKEND=f"db+postgresql+psycopg2://postgres@127.0.0.1:5432/{db}",
-        AIRFLOW__CORE__EXECUTION_API_SERVER_URL=f"http://127.0.0.1:{port}/execution/",
-        AIRFLOW__API__PORT=str(port), AIRFLOW__API__HOST="127.0.0.1",
-        AIRFLOW__CORE__LOAD_EXAMPLES="False",
-        AIRFLOW__CORE__DAGS_FOLDER=str(ROOT / "dags"),
-        AIRFLOW__CORE__PLUGINS_FOLDER=str(ROOT / "plugins"),
         AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS="True",
         AIRFLOW__CORE__HOSTNAME_CALLABLE="worker_name.hostname",
         AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT="20",
-        AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL="5",
-        REGEN_QUEUE="gpu",
-    )
+        REGEN_QUEUE="gpu")
     migrate = subprocess.run([str(BIN / "airflow"), "db", "migrate"], env=env, capture_output=True, text=True)
     assert migrate.returncode == 0, migrate.stderr[-3000:] + migrate.stdout[-2000:]
-    procs: dict[str, subprocess.Popen] = {}
-
-    def start(name: str, *argv: str, **extra: str) -> None:
-        log = open(home / f"{name}.log", "wb")
-        procs[name] = subprocess.Popen([str(BIN / "airflow"), *argv], env={**env, **extra},
-                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    start("api-server", "api-server")
-    start("scheduler", "scheduler")
-    start("dag-processor", "dag-processor")
+    cluster = AirflowProcesses(home, env)
+    cluster.start("api-server", "api-server")
+    cluster.start("scheduler", "scheduler")
+    cluster.start("dag-processor", "dag-processor")
     for worker, queue in (("worker-a", "node-a"), ("worker-b", "node-b")):
-        start(worker, "celery", "worker", "--queues", f"gpu,{queue}", "--concurrency", "2",
-              "--celery-hostname", f"{worker}@%h", REGEN_WORKER_NAME=worker)
+        cluster.start(worker, "celery", "worker", "--queues", f"gpu,{queue}", "--concurrency", "2",
+                      "--celery-hostname", f"{worker}@%h", REGEN_WORKER_NAME=worker)
     base = f"http://127.0.0.1:{port}"
-
-    def api_up() -> bool:
-        for name, proc in procs.items():
-            assert proc.poll() is None, f"{name} died: " + (home / f"{name}.log").read_text()[-3000:]
-        try:
-            return httpx.get(f"{base}/api/v2/monitor/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
     try:
-        wait_until(api_up, 180, "API server")
-        yield {"base": base, "procs": procs, "home": home}
+        cluster.wait_api(base)
+        yield {"base": base, "procs": cluster.procs, "home": home}
     finally:
-        for proc in procs.values():
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        cluster.stop()
         psql(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
 
 
 @pytest.mark.slow
 def test_shards_spread_over_two_workers_and_survive_one_killed(cluster, make_config):
     api = httpx.Client(base_url=f"{cluster['base']}/api/v2", timeout=30)
-    wait_until(lambda: api.get("/dags/regenerate_dataset").status_code == 200, 180, "DAG parsed")
-    assert api.patch("/dags/regenerate_dataset", json={"is_paused": False}).status_code == 200
     cfg = make_config(num_shards=4, num_servers=2, sim_tokens_per_second=60, concurrency_per_server=4)
-    run_id = api.post("/dags/regenerate_dataset/dagRuns", json={
-        "logical_date": None, "conf": json.loads(cfg.model_dump_json())}).json()["dag_run_id"]
+    run_id = trigger_run(api, cfg)
     tis = f"/dags/regenerate_dataset/dagRuns/{run_id}/taskInstances"
 
     def running_shard():
@@ -128,13 +91,9 @@ def test_shards_spread_over_two_workers_and_survive_one_killed(cluster, make_con
     kept = {row["id"] for row in Journal.rows(
         Path(cfg.output) / "work" / "journal" / f"{shard_name(victim['map_index'], 4)}.jsonl")}
 
-    def finished() -> bool:
-        return api.get(f"/dags/regenerate_dataset/dagRuns/{run_id}").json()["state"] in ("success", "failed")
-
-    wait_until(finished, 420, "the run")
+    state = wait_run(api, run_id, 420)
     instances = api.get(tis, params={"limit": 100}).json()["task_instances"]
-    assert api.get(f"/dags/regenerate_dataset/dagRuns/{run_id}").json()["state"] == "success", [
-        (t["task_id"], t["map_index"], t["state"]) for t in instances]
+    assert state == "success", [(t["task_id"], t["map_index"], t["state"]) for t in instances]
     shards = [t for t in instances if t["task_id"] == "generate"]
     retried = next(t for t in shards if t["map_index"] == victim["map_index"])
     survivor = "worker-b" if worker == "worker-a" else "worker-a"
