@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -189,3 +190,13 @@ def test_cli_exit_codes_and_one_line_per_problem(make_config, tmp_path):
     assert bad.returncode == 1
     assert bad.stdout.splitlines() == [f"prompts {tmp_path / 'none.jsonl'}: file not found",
                                        f"model_path {tmp_path / 'missing'}: directory not found"]
+
+
+def test_an_output_made_with_another_shard_count_is_refused(make_config):
+    cfg = make_config(num_shards=4)
+    data = Path(cfg.output) / "data"
+    data.mkdir(parents=True)
+    (data / "shard-00001-of-00008.parquet").write_bytes(b"")
+    assert run_preflight(cfg, code=False).problems == [
+        f"output {cfg.output}: data/ holds shards of a 8-shard run; use num_shards 8 to resume or "
+        f"add to it, or a new output directory"]

@@ -243,6 +243,19 @@ def check_space(cfg: RunConfig, report: PreflightReport) -> None:
                                    f"{format_bytes(free + have)} free")
 
 
+def check_output(cfg: RunConfig, report: PreflightReport) -> None:
+    """An output made with another shard count would end with ids twice: refuse it."""
+    import re
+
+    counts = {int(m.group(1)) for p in (Path(cfg.output) / "data").glob("shard-*-of-*.parquet")
+              if (m := re.search(r"-of-(\d+)\.parquet$", p.name))}
+    other = sorted(counts - {cfg.num_shards})
+    if other:
+        report.problems.append(
+            f"output {cfg.output}: data/ holds shards of a {'/'.join(map(str, other))}-shard run; "
+            f"use num_shards {other[0]} to resume or add to it, or a new output directory")
+
+
 def check_ports(cfg: RunConfig, report: PreflightReport, state_dir: Path) -> None:
     from regen.servers import is_healthy, port_is_free, read_state, server_slots
 
@@ -263,6 +276,7 @@ def run_preflight(cfg: RunConfig, state_dir: Path | None = None, code: bool = Tr
     check_prompts(cfg, report)
     check_model(cfg, report)
     check_space(cfg, report)
+    check_output(cfg, report)
     check_ports(cfg, report, state_dir or Path(cfg.output) / "work" / "servers")
     report.info = {k: v for k, v in report.info.items() if not k.startswith("_")}
     report.seconds = time.monotonic() - started
