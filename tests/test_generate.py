@@ -203,13 +203,25 @@ def test_a_rerun_reuses_good_rows_and_a_settings_change_regenerates(sim_servers,
     cfg, records = sim_servers(num_servers=1)
     prompts = subset(tmp_path, 50)
     out = tmp_path / "ds"
-    first = generate_shard(prompts, out, endpoints(records), 0, 1, fast_settings())
+    first = generate_shard(prompts, out, endpoints(records), 0, 1, fast_settings(model_fingerprint="m1"))
     assert first.done == 50
     before = sim_requests_total(records[0].url)
-    again = generate_shard(prompts, out, endpoints(records), 0, 1, fast_settings())
+    again = generate_shard(prompts, out, endpoints(records), 0, 1, fast_settings(model_fingerprint="m1"))
     assert (again.done, again.skipped) == (0, 50)
     assert sim_requests_total(records[0].url) == before  # nothing sent
-    changed = generate_shard(prompts, out, endpoints(records), 0, 1, fast_settings(max_tokens=900))
+    changed = generate_shard(prompts, out, endpoints(records), 0, 1, fast_settings(model_fingerprint="m1", max_tokens=900))
     assert changed.done == 50  # other settings: every row regenerated
     df = pd.read_parquet(out / "data")
     assert len(df) == 50 and df["id"].is_unique and df["settings_hash"].nunique() == 1
+
+
+def test_without_a_known_model_existing_rows_are_regenerated_not_reused(sim_servers, tmp_path):
+    cfg, records = sim_servers(num_servers=1)
+    prompts = subset(tmp_path, 20)
+    generate_shard(prompts, tmp_path / "ds", endpoints(records), 0, 1, fast_settings(model_fingerprint="m1"))
+    unknown = generate_shard(prompts, tmp_path / "ds", endpoints(records), 0, 1, fast_settings())
+    assert unknown.done == 20 and unknown.skipped == 0
+    known = generate_shard(prompts, tmp_path / "ds", endpoints(records), 0, 1, fast_settings(model_fingerprint="m1"))
+    assert known.done == 20  # the rows now carry the unknown model's hash: regenerated again
+    again = generate_shard(prompts, tmp_path / "ds", endpoints(records), 0, 1, fast_settings(model_fingerprint="m1"))
+    assert again.skipped == 20 and again.done == 0

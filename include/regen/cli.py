@@ -168,6 +168,10 @@ def cmd_generate(args) -> int:
 
         endpoints = recorded(cfg)
     settings = GenerationSettings.from_config(cfg)
+    if args.endpoints and not (args.config or args.config_json or args.model_path):
+        # Servers named by URL only: the model they serve is unknown here, so rows already in
+        # the output cannot be proven to come from it; they are regenerated, not reused.
+        settings.model_fingerprint = None
     shards = [args.shard] if args.shard is not None else list(range(cfg.num_shards))
     bar = None if args.no_progress_bar else _progress_bar()
     try:

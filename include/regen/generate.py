@@ -679,7 +679,9 @@ async def _generate_shard(prompts_path: Path, output: Path, endpoints: list[tupl
     errors_path = work / "errors" / f"{name}.txt"
     progress = RunProgress(output)
 
-    settled = settled_ids(journal_path) | reusable_ids(final_path, settings.settings_hash())
+    settled = settled_ids(journal_path)
+    if settings.model_fingerprint is not None:  # without knowing the model, reuse nothing
+        settled |= reusable_ids(final_path, settings.settings_hash())
     ids: set[str] = set()
     bad: list[PromptError] = []
     for item in read_shard(prompts_path, shard, num_shards):
