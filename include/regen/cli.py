@@ -131,17 +131,11 @@ def cmd_serve(args) -> int:
 
 
 def cmd_logs(args) -> int:
-    from regen.pipeline import state_dir
-    from regen.servers import log_tail, read_state
+    from regen.pipeline import server_logs
 
-    records = read_state(state_dir(load_config(args)))
-    if not records:
-        print("no servers recorded")
-        return EXIT_FAILED
-    for record in records:
-        print(f"==> server {record.index} (port {record.port}, pid {record.pid}): {record.log_path}")
-        print(log_tail(record.log_path, args.lines))
-    return 0
+    logs = server_logs(load_config(args), args.lines)
+    print(logs or "no servers recorded")
+    return 0 if logs else EXIT_FAILED
 
 
 def cmd_canary(args) -> int:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from regen.paths import DEMO_CONFIG, DEMO_MODEL, DEMO_PROMPTS, PROJECT_ROOT, VAR_DIR
+from regen.paths import DEMO_MODEL, DEMO_PROMPTS, PROJECT_ROOT, VAR_DIR
 
 Engine = Literal["sglang", "vllm", "sim"]
 SpeculativeAlgorithm = Literal["EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"]
@@ -474,10 +474,6 @@ def param_schemas() -> dict[str, tuple[Any, dict[str, Any]]]:
             spec["enum"] = [prop["const"]]
         out[name] = (defaults[name], spec)
     return out
-
-
-def demo_config() -> RunConfig:
-    return RunConfig.load(DEMO_CONFIG)
 
 
 def schedule_spec(value: str | None) -> str | list[str] | None:

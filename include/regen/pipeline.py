@@ -109,8 +109,8 @@ def server_logs(cfg: RunConfig, lines: int = 40) -> str:
         return "\n".join(_remote(cfg, "logs", "--lines", str(lines)).lines)
     from regen.servers import log_tail, read_state
 
-    return "\n".join(f"==> server {r.index}: {r.log_path}\n{log_tail(r.log_path, lines)}"
-                     for r in read_state(state_dir(cfg)))
+    return "\n".join(f"==> server {r.index} (port {r.port}, pid {r.pid}): {r.log_path}\n"
+                     f"{log_tail(r.log_path, lines)}" for r in read_state(state_dir(cfg)))
 
 
 def endpoints(cfg: RunConfig) -> list[tuple[str, str | None]]:

@@ -356,6 +356,3 @@ def stop_servers(state_dir: str | Path, grace_s: float = 30.0) -> int:
     log.info("stopped %d server(s); no process or port left", len(records))
     return len(records)
 
-
-def healthy_records(state_dir: str | Path) -> list[ServerRecord]:
-    return [r for r in read_state(Path(state_dir)) if is_healthy(r.url)]
