@@ -78,6 +78,12 @@ def test_stage_serve_health_logs_and_teardown_run_on_the_node(node, tmp_path):
         assert "==> server 0" in logs and "regen sim:" in logs
         assert pipeline.canary(cfg)["text"].startswith("canary passed")
         assert "shard 0/2" in pipeline.generate(cfg, 0)
+        from regen.web import config_data
+
+        page = config_data(cfg)  # what the run page shows for a run on the node
+        assert page["output"] == f"gpu_node:{cfg.output}"
+        assert page["progress"]["shards"]["shard-00000"]["state"] == "done"
+        assert page["progress"]["canary"]["passed"] is True
     finally:
         pipeline.stop_servers(cfg)
     for i in range(2):

@@ -243,6 +243,16 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_progress(args) -> int:
+    """What the run page shows, as one line of JSON (how the page reads an SSH node's run)."""
+    import json
+
+    from regen.web import run_data
+
+    print(json.dumps(run_data(Path(load_config(args).output)), default=str))
+    return 0
+
+
 def cmd_summary(args) -> int:
     """Where the dataset and the report are, and the audit's five lines: readable in seconds."""
     import json
@@ -334,6 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(p)
     p.add_argument("--json", action="store_true", help="one line of JSON, e.g. for `airflow dags test --conf`")
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("progress", help="progress, throughput history and audit summary as JSON")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_progress)
 
     p = sub.add_parser("summary", help="where the outputs are, and the audit summary")
     _add_config_flags(p)

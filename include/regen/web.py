@@ -18,11 +18,10 @@ from regen.progress import read_json
 HISTORY_POINTS = 2000
 
 
-def run_output(conf: "dict | None") -> Path:
-    """Where a run wrote its dataset: its Params, else the defaults it ran with."""
-    cfg = RunConfig.from_mapping({k: v for k, v in (conf or {}).items() if k in RunConfig.model_fields},
-                                 source="run conf")
-    return Path(cfg.output)
+def run_config(conf: "dict | None") -> RunConfig:
+    """The config a run ran with: its Params, else the defaults."""
+    return RunConfig.from_mapping({k: v for k, v in (conf or {}).items() if k in RunConfig.model_fields},
+                                  source="run conf")
 
 
 def run_data(output: Path) -> dict:
@@ -34,6 +33,17 @@ def run_data(output: Path) -> dict:
         history = [json.loads(line) for line in lines if line.strip()]
     return {"output": str(output), "progress": progress, "history": history,
             "audit": read_json(output / "audit" / "summary.json")}
+
+
+def config_data(cfg: RunConfig) -> dict:
+    """run_data of the run's output, read where it lives: over SSH for a run on an SSH node."""
+    if not cfg.ssh_conn_id:
+        return run_data(Path(cfg.output))
+    from regen.remote import run_regen
+
+    data = json.loads(run_regen(cfg, "progress").lines[-1])
+    data["output"] = f"{cfg.ssh_conn_id}:{data['output']}"
+    return data
 
 
 def create_app():
@@ -49,24 +59,27 @@ def create_app():
     app = FastAPI(title="regen run page")
     guard = [Depends(requires_access_dag(method="GET", access_entity=DagAccessEntity.RUN))]
 
-    def output_of(dag_id: str, run_id: str, session) -> Path:
+    def config_of(dag_id: str, run_id: str, session) -> RunConfig:
         run = session.scalar(select(DagRun).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
         if run is None:
             raise HTTPException(404, f"no run {run_id!r} of {dag_id!r}")
-        return run_output(run.conf)
+        return run_config(run.conf)
 
     @app.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse, dependencies=guard)
     def page(dag_id: str, run_id: str, session: SessionDep) -> str:
-        output_of(dag_id, run_id, session)
+        config_of(dag_id, run_id, session)
         return PAGE.replace("__TITLE__", f"{dag_id} / {run_id}")
 
     @app.get("/runs/{dag_id}/{run_id}/data", dependencies=guard)
     def data(dag_id: str, run_id: str, session: SessionDep) -> dict:
-        return run_data(output_of(dag_id, run_id, session))
+        return config_data(config_of(dag_id, run_id, session))
 
     @app.get("/runs/{dag_id}/{run_id}/report", dependencies=guard)
     def report(dag_id: str, run_id: str, session: SessionDep):
-        path = output_of(dag_id, run_id, session) / "audit" / "report.html"
+        cfg = config_of(dag_id, run_id, session)
+        if cfg.ssh_conn_id:
+            raise HTTPException(404, f"the report is on {cfg.ssh_conn_id}: {cfg.output}/audit/report.html")
+        path = Path(cfg.output) / "audit" / "report.html"
         if not path.exists():
             raise HTTPException(404, "the audit has not run yet")
         return FileResponse(path, media_type="text/html")
