@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 
 import pytest
@@ -83,3 +84,16 @@ def test_too_little_space_fails_with_needed_and_free(tmp_path, small_tmpfs):
 def test_not_a_model_directory(tmp_path):
     with pytest.raises(StageError, match="not a model directory"):
         stage_model(tmp_path, tmp_path / "shm")
+
+
+def test_the_model_fingerprint_sees_retrained_weights_not_copies(tmp_path):
+    from regen.stage import model_fingerprint
+
+    src = make_model(tmp_path / "m", weight_bytes=3_000_000)
+    first = model_fingerprint(src)
+    shutil.copytree(src, tmp_path / "copy")
+    assert model_fingerprint(tmp_path / "copy") == first  # same model, elsewhere
+    weights = src / "model-00001-of-00001.safetensors"
+    weights.write_bytes(os.urandom(3_000_000))  # retrained: same size, other numbers
+    assert model_fingerprint(src) != first
+    assert model_fingerprint(tmp_path / "nothing") is None

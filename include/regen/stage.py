@@ -59,7 +59,9 @@ def sha256_file(path: Path) -> str:
 
 def model_fingerprint(model_dir: str | Path) -> str | None:
     """What makes two generations comparable: the model's config, tokenizer and chat template
-    (contents) and its weight files (names and sizes). None when the directory is not here."""
+    (contents) and its weight files (names, sizes, and their first and last MiB: a retrained
+    checkpoint of the same shape differs there, a copy does not). None when the directory is not
+    here."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         return None
@@ -67,10 +69,15 @@ def model_fingerprint(model_dir: str | Path) -> str | None:
     for path in sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
         rel = str(path.relative_to(model_dir))
         digest.update(rel.encode())
-        if path.suffix in (".json", ".jinja", ".txt", ".model") and path.stat().st_size <= SMALL_FILE:
+        size = path.stat().st_size
+        if path.suffix in (".json", ".jinja", ".txt", ".model") and size <= SMALL_FILE:
             digest.update(path.read_bytes())
-        else:
-            digest.update(str(path.stat().st_size).encode())
+            continue
+        digest.update(str(size).encode())
+        with open(path, "rb") as fh:
+            digest.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            digest.update(fh.read(1 << 20))
     return digest.hexdigest()[:16]
 
 
