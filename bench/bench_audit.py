@@ -136,7 +136,7 @@ def main() -> None:
         f"loss tokens per sample (10% degenerate \"OK.\" rows). Same loss tokens, sample by sample, "
         f"in both. regen is {speedup:.1f}x the baseline; its peak memory goes from "
         f"{fast['peak_mb']:,.0f} MB to {fast_large['peak_mb']:,.0f} MB when the data grows 10x.")
-    write_section("Audit speed and memory", "python bench/bench_audit.py", body)
+    write_section("Audit speed and memory", ".venv/bin/python bench/bench_audit.py", body)
 
 
 if __name__ == "__main__":

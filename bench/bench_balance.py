@@ -90,7 +90,7 @@ def main() -> None:
         f"each, six at {FAST:.0f} tok/s per request and one at {SLOW:.0f}. regen's makespan includes "
         f"reading the prompts, discovering the servers and writing the Parquet shard. Goal: within 5% "
         f"of ideal.")
-    write_section("Balance over uneven servers", "python bench/bench_balance.py", body)
+    write_section("Balance over uneven servers", ".venv/bin/python bench/bench_balance.py", body)
 
 
 if __name__ == "__main__":

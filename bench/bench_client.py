@@ -124,7 +124,7 @@ def main() -> None:
         f"(journal, retries, least-outstanding dispatch, Parquet shard) is {ratio:.2f}x the "
         f"baseline's throughput at {1 / cpu_ratio:.2f}x its CPU per request. The servers share the "
         f"same 2 cores, so wall time includes their work.")
-    write_section("Client overhead", "python bench/bench_client.py", body)
+    write_section("Client overhead", ".venv/bin/python bench/bench_client.py", body)
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ def main() -> None:
         "task). By hand the crash comes as fast, but only after the servers hold the GPUs: the "
         "simulated servers start in under a second; the seed's SGLang servers took about 60 s to "
         "load a 52 GB model, and then sat idle until someone looked.")
-    write_section("Preflight", "python bench/bench_preflight.py", body)
+    write_section("Preflight", ".venv/bin/python bench/bench_preflight.py", body)
 
 
 if __name__ == "__main__":

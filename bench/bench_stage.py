@@ -70,7 +70,7 @@ def main() -> None:
         f"{args.shards} shards of {args.shard_mb} MB plus config and an 11 MB tokenizer ({gb:.2f} GB), "
         f"best of 2, from the page cache to /dev/shm. regen's time includes verifying sizes and "
         f"hashing the small files.")
-    write_section("Staging", "python bench/bench_stage.py", body)
+    write_section("Staging", ".venv/bin/python bench/bench_stage.py", body)
 
 
 if __name__ == "__main__":
