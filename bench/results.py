@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
-HEADER = ("# Benchmark results\n\nEach section is written by the script it names, which measures "
+HEADER = ("# Benchmark results\n\nEach section is written by the script it names (after `make setup`), which measures "
           "regen against a baseline in the same run. Numbers are from the machine named in the "
           "section.\n")
 
