@@ -225,3 +225,14 @@ def test_without_a_known_model_existing_rows_are_regenerated_not_reused(sim_serv
     assert known.done == 20  # the rows now carry the unknown model's hash: regenerated again
     again = generate_shard(prompts, tmp_path / "ds", endpoints(records), 0, 1, fast_settings(model_fingerprint="m1"))
     assert again.skipped == 20 and again.done == 0
+
+
+def test_unreadable_records_are_listed_with_file_and_line_and_the_shard_goes_on(sim_servers, tmp_path):
+    cfg, records = sim_servers(num_servers=1)
+    prompts = subset(tmp_path, 30, extra=["{not json", json.dumps({"prompt": "no id"})])
+    result = generate_shard(prompts, tmp_path / "ds", endpoints(records), 0, 1, fast_settings())
+    assert (result.done, result.bad_records) == (30, 2)
+    errors = (tmp_path / "ds" / "work" / "errors" / f"{shard_name(0, 1)}.txt").read_text().splitlines()
+    assert errors[0].startswith(f"{prompts}:31: not valid JSON")
+    assert errors[1] == f"{prompts}:32: missing 'id'"
+    assert len(pd.read_parquet(tmp_path / "ds" / "data")) == 30
