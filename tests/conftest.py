@@ -145,6 +145,23 @@ def wait_until(predicate, timeout: float, what: str = "condition") -> None:
         time.sleep(0.02)
 
 
+def processes_with_env(name: str, value: str) -> list[int]:
+    """Live processes whose environment has name=value (what a test started, and its children)."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and needle in environ:
+            found.append(int(entry.name))
+    return found
+
+
 def airflow_env(home: Path, port: int, **extra: str) -> dict[str, str]:
     """An Airflow deployment of this project on loopback: its own home, API port, our DAG."""
     return dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", AIRFLOW_HOME=str(home),
@@ -182,19 +199,33 @@ class AirflowProcesses:
         wait_until(up, timeout, "the Airflow API server")
 
     def stop(self) -> None:
-        import signal
+        """SIGTERM every process and all its descendants (`airflow standalone` starts its
+        components in sessions of their own), SIGKILL what is left after a minute."""
+        import psutil
 
+        procs = []
         for proc in self.procs.values():
             try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
+                parent = psutil.Process(proc.pid)
+                procs += [parent, *parent.children(recursive=True)]
+            except psutil.NoSuchProcess:
                 pass
-        for proc in self.procs.values():
+        for proc in procs:
             try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                proc.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=60)
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=10)
+        for proc in self.procs.values():
+            proc.wait()
+        left = processes_with_env("AIRFLOW_HOME", str(self.env["AIRFLOW_HOME"]))
+        assert left == [], f"Airflow processes left behind: {left}"
 
 
 def trigger_run(api, cfg) -> str:
