@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 
 import httpx
 import pandas as pd

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import processes_with_args
 from regen.pipeline import state_dir
-from regen.servers import (ServerError, ServerRecord, build_command, port_is_free, read_state,
+from regen.servers import (ServerError, ServerRecord, build_command, port_is_free,
                            session_pids, start_servers, stop_records, stop_servers)
 
 

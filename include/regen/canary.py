@@ -90,7 +90,8 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
         check("missing_reasoning", "answers came back without reasoning while enable_thinking is "
               "on (is the server's reasoning parser set, or thinking disabled on the server?)")
     check("empty_answer", "answers are empty")
-    check("degenerate", f"samples have a loss mask under min_loss_tokens {cfg.min_loss_tokens}")
+    check("degenerate", f"samples are degenerate (loss mask under min_loss_tokens "
+          f"{cfg.min_loss_tokens}, or no reasoning while thinking is on)")
     check("truncated", f"answers hit max_tokens {cfg.max_tokens}", limit=0.5)
     result.estimate = estimate_run(rows, total, slots)
     RunProgress(cfg.output).write_section("canary", {

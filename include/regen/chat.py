@@ -11,7 +11,6 @@ prefix arithmetic so the two never disagree.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path

@@ -106,7 +106,7 @@ def check_code(python: str = sys.executable, files: list[Path] | None = None,
 
 
 def check_prompts(cfg: RunConfig, report: PreflightReport, max_listed: int = 20) -> None:
-    from regen.prompts import Prompt, PromptError, read_prompts
+    from regen.prompts import PromptError, read_prompts
 
     path = Path(cfg.prompts)
     if not path.is_file():
