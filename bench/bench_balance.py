@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_client import make_prompts, start_sims  # noqa: E402
 from results import write_section  # noqa: E402
 
-from regen.generate import GenerationSettings, generate_shard  # noqa: E402
+from regen.config import RunConfig  # noqa: E402
+from regen.generate import ShardRun  # noqa: E402
 
 SLOTS = 8
 FAST, SLOW = 400.0, 200.0
@@ -71,8 +72,9 @@ def main() -> None:
                                          for i, speed in enumerate(SPEEDS)})
         try:
             started = time.perf_counter()
-            result = generate_shard(prompts_path, tmp / "out", [(u, None) for u in urls], 0, 1,
-                                    GenerationSettings(max_tokens=1024, progress_interval_s=5.0))
+            cfg = RunConfig(prompts=str(prompts_path), output=str(tmp / "out"), num_shards=1,
+                            max_tokens=1024)
+            result = ShardRun(cfg, [(u, None) for u in urls], 0, None).run()
             regen_s = time.perf_counter() - started
             rr_s, tokens = round_robin(prompts, urls)
         finally:

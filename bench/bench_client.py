@@ -22,7 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import write_section  # noqa: E402
 
-from regen.generate import GenerationSettings, generate_shard  # noqa: E402
+from regen.config import RunConfig  # noqa: E402
+from regen.generate import ShardRun  # noqa: E402
 from regen.paths import DEMO_PROMPTS  # noqa: E402
 from regen.prompts import Prompt, read_prompts  # noqa: E402
 from regen.servers import ServerRecord, wait_healthy  # noqa: E402
@@ -52,9 +53,9 @@ def start_sims(model: Path, servers: dict[int, list[str]]) -> tuple[list[subproc
 
 
 def run_regen(prompts_path: Path, out: Path, urls: list[str]) -> None:
-    settings = GenerationSettings(max_tokens=MAX_TOKENS, concurrency_per_server=CONCURRENCY_PER_SERVER,
-                                  progress_interval_s=5.0)
-    generate_shard(prompts_path, out, [(u, None) for u in urls], 0, 1, settings)
+    cfg = RunConfig(prompts=str(prompts_path), output=str(out), num_shards=1, max_tokens=MAX_TOKENS,
+                    concurrency_per_server=CONCURRENCY_PER_SERVER)
+    ShardRun(cfg, [(u, None) for u in urls], 0, None).run()
 
 
 def run_baseline(prompts: list[Prompt], out: Path, urls: list[str]) -> None:

@@ -12,7 +12,8 @@ Nothing that costs GPU time starts before `preflight` has compiled the code, val
 the prompts and the chat template. Clearing a failed shard resumes it where it stopped.
 Outputs: `OUTPUT/data/*.parquet`, `OUTPUT/progress.json`, `OUTPUT/audit/report.html`.
 
-The DAG only wires tasks; the work is in the `regen` package (`include/regen`), one module per stage.
+The DAG only wires tasks; each task runs one stage function of the `regen` package
+(`include/regen`), named in the task, through `regen.pipeline.run` (here, or on the SSH node).
 """
 
 from __future__ import annotations
@@ -43,50 +44,56 @@ def _config(params):
     return RunConfig.from_mapping(dict(params), source="params")
 
 
+def _run(stage, params, **kwargs) -> dict:
+    """Run one stage (a function of the regen package) here or on the run's SSH node."""
+    from regen.pipeline import run
+
+    return run(stage, _config(params), **kwargs)
+
+
 @task(retries=0)
 def preflight(params=None) -> list[int]:
-    from regen import pipeline
+    from regen.preflight import preflight
 
-    return pipeline.preflight(_config(params))
+    return _run(preflight, params)["shards"]
 
 
 @task(retries=1, retry_delay=timedelta(seconds=10))
 def stage_weights(params=None) -> str:
-    from regen import pipeline
+    from regen.stage import stage_weights
 
-    return pipeline.stage_weights(_config(params))
+    return _run(stage_weights, params)["path"]
 
 
 @task(retries=0)
 def start_servers(served_model_path: str, params=None) -> list[str]:
-    from regen import pipeline
+    from regen.servers import serve
 
-    return pipeline.start_servers(_config(params), served_model_path)
+    return _run(serve, params, served_model_path=served_model_path)["urls"]
 
 
 @task(retries=0)
 def canary(params=None) -> dict:
-    from regen import pipeline
+    from regen.canary import canary
 
-    return pipeline.canary(_config(params))
+    return _run(canary, params)["estimate"]
 
 
 @task(retries=2, retry_delay=timedelta(seconds=30), map_index_template="{{ shard_label }}",
       pool=SHARD_POOL)
 def generate(shard: int, params=None) -> str:
-    from regen import pipeline
+    from regen.generate import generate
 
-    cfg = _config(params)
-    get_current_context()["shard_label"] = f"shard {shard}/{cfg.num_shards}"
-    return pipeline.generate(cfg, shard)
+    get_current_context()["shard_label"] = f"shard {shard}/{params['num_shards']}"
+    return _run(generate, params, shard=shard)["summary"]
 
 
 @task(retries=0, outlets=[DATASET])
 def audit(params=None) -> dict:
-    from regen import pipeline
+    from regen.audit import audit
 
     cfg = _config(params)
-    summary = pipeline.audit(cfg)
+    summary = _run(audit, params)
     uri = f"file://{cfg.ssh_conn_id or ''}{cfg.output}/data"
     get_current_context()["outlet_events"][DATASET].add(Asset(uri), extra={
         "rows": summary["samples"], "verdict": summary["verdict"],
@@ -96,9 +103,9 @@ def audit(params=None) -> dict:
 
 @task(retries=1, retry_delay=timedelta(seconds=5))
 def stop_servers(params=None) -> int:
-    from regen import pipeline
+    from regen.servers import stop
 
-    return pipeline.stop_servers(_config(params))
+    return _run(stop, params)["stopped"]
 
 
 @dag(

@@ -85,15 +85,15 @@ def make_config(tmp_path, tiny_model):
 @pytest.fixture
 def sim_servers(make_config):
     """Start simulated servers through regen's server manager; always stopped afterwards."""
-    from regen.pipeline import state_dir
+    from regen.layout import RunLayout
     from regen.servers import start_servers, stop_records, read_state
 
     started: list = []
 
     def start(**overrides):
         cfg = make_config(**overrides)
-        records = start_servers(cfg, cfg.model_path, state_dir(cfg))
-        started.append(state_dir(cfg))
+        records = start_servers(cfg, cfg.model_path)
+        started.append(RunLayout(cfg.output))
         return cfg, records
 
     yield start

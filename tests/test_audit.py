@@ -14,7 +14,7 @@ import pytest
 from conftest import BIN, ROOT
 from regen.audit import AuditThresholds, audit_dataset
 from regen.chat import QWEN, load_tokenizer, loss_masks, render, training_messages
-from regen.generate import ROW_SCHEMA
+from regen.store import ROW_SCHEMA
 
 QUESTION = [{"role": "user", "content": "Reply with OK."}]
 
@@ -171,7 +171,8 @@ def test_each_finding_is_reported(tmp_path, tiny_model, bad, finding):
 def test_thinking_off_rows_are_not_blamed_for_missing_reasoning(tmp_path, tiny_model):
     rows = [row(i, reasoning=None, content="A long enough answer " * 8, thinking=False)
             for i in range(10)]
-    report = audit_dataset(write_dataset(tmp_path / "data", rows), tiny_model, tmp_path / "r")
+    report = audit_dataset(write_dataset(tmp_path / "data", rows), tiny_model, tmp_path / "r",
+                           AuditThresholds(16, 0.01))
     assert report.summary.counts["missing_reasoning"] == 0
     assert report.passed
 
@@ -181,7 +182,7 @@ def test_audit_of_an_empty_directory_is_a_clear_error(tmp_path, tiny_model):
     out = subprocess.run([str(BIN / "regen"), "audit", "--data", str(tmp_path / "data"),
                           "--tokenizer", str(tiny_model)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
-    assert "no Parquet files to audit" in out.stderr
+    assert "data: no Parquet files to read" in out.stderr
 
 
 @pytest.mark.parametrize("which", ["qwen3", "tiny"])
@@ -215,8 +216,9 @@ def test_worker_processes_give_the_same_report_as_one_process(tmp_path, tiny_mod
     rows = [row(i) for i in range(300)] + [row(i, reasoning=None, content="OK.") for i in range(300, 400)]
     rows.append(row(999, rid="s5"))  # a duplicate far from its first occurrence
     data = write_dataset(tmp_path / "data", rows, files=3)
-    one = audit_dataset(data, tiny_model, tmp_path / "one", batch_size=32, workers=1)
-    two = audit_dataset(data, tiny_model, tmp_path / "two", batch_size=32, workers=2)
+    limits = AuditThresholds(16, 0.01)
+    one = audit_dataset(data, tiny_model, tmp_path / "one", limits, batch_size=32, workers=1)
+    two = audit_dataset(data, tiny_model, tmp_path / "two", limits, batch_size=32, workers=2)
     assert one.to_json()["counts"] == two.to_json()["counts"]
     assert two.summary.counts["duplicate_id"] == 1 and two.summary.counts["degenerate"] == 100
     a = pd.read_parquet(tmp_path / "one" / "samples.parquet")

@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from regen.canary import CanaryFailed
-from regen.pipeline import canary
+from regen.canary import CanaryFailed, canary
 
 
 def test_a_healthy_canary_passes_and_estimates_the_run(sim_servers):
     cfg, records = sim_servers(num_servers=2, sim_tokens_per_second=500)
-    estimate = canary(cfg)
+    estimate = canary(cfg)["estimate"]
     assert estimate["prompts"] == 280
     assert estimate["text"].startswith("280 prompts, about ")
     assert "tok/s" in estimate["text"]
@@ -40,4 +39,4 @@ def test_servers_without_thinking_fail_naming_the_reason(sim_servers):
 
 def test_thinking_off_on_purpose_is_judged_by_the_loss_mask_only(sim_servers):
     cfg, records = sim_servers(num_servers=1, enable_thinking=False, min_loss_tokens=4)
-    assert canary(cfg)["prompts"] == 280
+    assert canary(cfg)["estimate"]["prompts"] == 280

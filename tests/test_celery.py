@@ -19,7 +19,8 @@ import pytest
 
 from conftest import (BIN, ROOT, AirflowProcesses, airflow_env, free_port_base, read_ids,
                       trigger_run, wait_run, wait_until)
-from regen.generate import Journal, shard_name
+from regen.layout import shard_name
+from regen.store import Journal
 
 PG = "postgresql+psycopg2://postgres@127.0.0.1:5432"
 

@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from conftest import ROOT, processes_with_args, read_ids
+from regen.layout import RunLayout
 from regen.servers import port_is_free, read_state
 
 DAG_FILE = ROOT / "dags" / "regenerate_dataset.py"
@@ -145,7 +146,7 @@ def test_dag_run_writes_one_row_per_prompt_and_stops_servers(airflow_db, make_co
     events = asset_events(f"file://{cfg.output}/data")
     assert len(events) == 1
     assert events[0]["rows"] == 280 and events[0]["verdict"] == "PASS"
-    assert read_state(f"{cfg.output}/work/servers") == []  # teardown cleared the state
+    assert read_state(RunLayout(cfg.output)) == []  # teardown cleared the state
     assert_no_server_left(cfg)
 
 

@@ -56,3 +56,21 @@ def test_export_writes_valid_conversations_and_counts_what_it_left_out(tmp_path)
     assert [m["role"] for m in records["s10"]["conversations"]] == ["user", "assistant", "user", "assistant"]
     assert records["s0"]["conversations"][-1]["reasoning_content"].startswith("Let me think")
     assert not list(tmp_path.glob(".train.jsonl.*"))  # no temporary file left behind
+
+
+def test_audit_and_export_take_an_output_directory_or_its_data(tmp_path, tiny_model):
+    """A new user passes the output directory; the DESIGN form passes its data/. Both work."""
+    output = tmp_path / "out"
+    write_dataset(output / "data", [row(i) for i in range(12)])
+    for data in (output, output / "data"):
+        audit = subprocess.run([str(BIN / "regen"), "audit", "--data", str(data), "--tokenizer",
+                                str(tiny_model)], capture_output=True, text=True, timeout=120)
+        assert audit.returncode == 0, audit.stderr[-2000:]
+        assert audit.stdout.startswith("audit PASS: 0 of 12 samples degenerate")
+        assert (output / "audit" / "report.html").exists()
+        assert json.loads((output / "progress.json").read_text())["audit"]["samples"] == 12
+        export = subprocess.run([str(BIN / "regen"), "export", "--data", str(data), "--format",
+                                 "sharegpt", "--out", str(tmp_path / "train.jsonl")],
+                                capture_output=True, text=True, timeout=120)
+        assert export.returncode == 0, export.stderr[-2000:]
+        assert len(assert_specforge_valid(tmp_path / "train.jsonl")) == 12

@@ -12,17 +12,25 @@ import pandas as pd
 import pytest
 
 from conftest import BIN, ROOT, read_ids, wait_until
-from regen.generate import GenerationSettings, Journal, ShardFailed, generate_shard, shard_name
+from regen.dispatch import ClientTuning, ShardFailed
+from regen.config import RunConfig
+from regen.generate import ShardRun
+from regen.layout import shard_name
+from regen.store import Journal, ShardStore
 
 PROMPTS = ROOT / "demo" / "prompts.jsonl"
+FAST = ClientTuning(retry_backoff_s=0.02, retry_backoff_max_s=0.2, probe_interval_s=0.1,
+                    progress_interval_s=0.5, all_down_timeout_s=10)
 
 
-def fast_settings(**overrides) -> GenerationSettings:
-    values = dict(max_tokens=1024, concurrency_per_server=8, retry_backoff_s=0.02,
-                  retry_backoff_max_s=0.2, probe_interval_s=0.1, progress_interval_s=0.5,
-                  all_down_timeout_s=10)
+def generate_shard(prompts, out, pairs, shard=0, num_shards=1, identity=None, on_row=None,
+                   tuning=FAST, **overrides):
+    """One shard through ShardRun, with the test's fast client and the given config fields."""
+    values = dict(prompts=str(prompts), output=str(out), num_shards=num_shards, max_tokens=1024,
+                  concurrency_per_server=8)
     values.update(overrides)
-    return GenerationSettings(**values)
+    cfg = RunConfig.from_mapping(values)
+    return ShardRun(cfg, pairs, shard, identity, tuning, on_row).run()
 
 
 def endpoints(records):
@@ -53,7 +61,7 @@ def sim_running(url: str) -> int:
 def test_shards_write_every_id_once_with_the_design_columns(sim_servers, tmp_path):
     cfg, records = sim_servers(num_servers=2)
     out = tmp_path / "ds"
-    results = [generate_shard(PROMPTS, out, endpoints(records), s, 3, fast_settings()) for s in range(3)]
+    results = [generate_shard(PROMPTS, out, endpoints(records), s, 3) for s in range(3)]
     df = pd.read_parquet(out / "data")
     assert sorted(df["id"]) == sorted(read_ids(PROMPTS))
     assert sum(r.total for r in results) == len(df)
@@ -70,8 +78,9 @@ def test_shards_write_every_id_once_with_the_design_columns(sim_servers, tmp_pat
 def test_http_500s_and_hung_requests_are_retried_until_the_dataset_is_complete(sim_servers, tmp_path):
     cfg, records = sim_servers(num_servers=2, sim_failure_rate=0.2, sim_hang_rate=0.1)
     prompts = subset(tmp_path, 60)
-    settings = fast_settings(max_attempts=12, request_timeout_s=1.0, failures_before_down=1000)
-    result = generate_shard(prompts, tmp_path / "ds", endpoints(records), 0, 1, settings)
+    result = generate_shard(prompts, tmp_path / "ds", endpoints(records), max_attempts=12,
+                            request_timeout_s=1.0,
+                            tuning=ClientTuning(**{**FAST.__dict__, "failures_before_down": 1000}))
     df = pd.read_parquet(tmp_path / "ds" / "data")
     assert sorted(df["id"]) == sorted(read_ids(prompts))
     assert df["error"].isna().all(), df["error"].dropna().tolist()
@@ -90,8 +99,8 @@ def test_a_server_killed_mid_shard_is_dropped_and_the_others_finish(sim_servers,
             os.killpg(victim.pid, signal.SIGKILL)
 
     prompts = subset(tmp_path, 120)
-    result = generate_shard(prompts, tmp_path / "ds", endpoints(records), 0, 1,
-                            fast_settings(max_attempts=4), on_row=kill_after_20)
+    result = generate_shard(prompts, tmp_path / "ds", endpoints(records), max_attempts=4,
+                            on_row=kill_after_20)
     df = pd.read_parquet(tmp_path / "ds" / "data")
     assert sorted(df["id"]) == sorted(read_ids(prompts))
     assert df["error"].isna().all()
@@ -104,8 +113,8 @@ def test_a_server_killed_mid_shard_is_dropped_and_the_others_finish(sim_servers,
 def test_concurrency_comes_from_the_server_and_never_passes_what_it_can_run(sim_servers, tmp_path):
     cfg, records = sim_servers(num_servers=2, max_running_requests=8, sim_tokens_per_second=2000,
                                extra_server_args=["--sim-effective-max-running-requests", "3"])
-    result = generate_shard(subset(tmp_path, 80), tmp_path / "ds", endpoints(records), 0, 1,
-                            fast_settings(concurrency_per_server=None))
+    result = generate_shard(subset(tmp_path, 80), tmp_path / "ds", endpoints(records),
+                            concurrency_per_server=None)
     assert result.done == 80
     progress = json.loads((tmp_path / "ds" / "progress.json").read_text())
     limits = [s["limit"] for s in progress["shards"]["shard-00000"]["servers"].values()]
@@ -119,7 +128,7 @@ def test_a_prompt_too_long_for_the_context_becomes_an_error_row_without_retries(
     cfg, records = sim_servers(num_servers=1)
     huge = json.dumps({"id": "too-long", "prompt": "word " * 9000})
     prompts = subset(tmp_path, 40, extra=[huge])
-    result = generate_shard(prompts, tmp_path / "ds", endpoints(records), 0, 1, fast_settings())
+    result = generate_shard(prompts, tmp_path / "ds", endpoints(records))
     df = pd.read_parquet(tmp_path / "ds" / "data").set_index("id")
     assert len(df) == 41
     row = df.loc["too-long"]
@@ -132,14 +141,14 @@ def test_a_prompt_too_long_for_the_context_becomes_an_error_row_without_retries(
 def test_a_shard_with_too_many_errors_fails_and_keeps_what_it_finished(sim_servers, tmp_path):
     cfg, records = sim_servers(num_servers=1, sim_failure_rate=1.0)
     with pytest.raises(ShardFailed, match="max_error_fraction"):
-        generate_shard(subset(tmp_path, 40), tmp_path / "ds", endpoints(records), 0, 1,
-                       fast_settings(max_attempts=2, failures_before_down=1000))
+        generate_shard(subset(tmp_path, 40), tmp_path / "ds", endpoints(records), max_attempts=2,
+                       tuning=ClientTuning(**{**FAST.__dict__, "failures_before_down": 1000}))
     assert not (tmp_path / "ds" / "data").exists()
 
 
 def test_no_server_answering_fails_with_what_to_do(tmp_path):
     with pytest.raises(ShardFailed, match="no server answers .* start them first"):
-        generate_shard(PROMPTS, tmp_path / "ds", [("http://127.0.0.1:9", None)], 0, 1, fast_settings())
+        generate_shard(PROMPTS, tmp_path / "ds", [("http://127.0.0.1:9", None)])
 
 
 @pytest.mark.slow
@@ -180,7 +189,7 @@ def test_a_full_disk_fails_the_shard_clearly_and_leaves_data_clean(sim_servers, 
     try:
         cfg, records = sim_servers(num_servers=1)
         with pytest.raises(ShardFailed, match="No space left on device"):
-            generate_shard(PROMPTS, mount / "ds", endpoints(records), 0, 1, fast_settings())
+            generate_shard(PROMPTS, mount / "ds", endpoints(records))
         data = mount / "ds" / "data"
         assert not data.exists() or list(data.iterdir()) == []
         # What was journaled before the disk filled is kept for the rerun.
@@ -190,25 +199,24 @@ def test_a_full_disk_fails_the_shard_clearly_and_leaves_data_clean(sim_servers, 
 
 
 def test_a_second_generator_on_the_same_shard_is_refused(tmp_path):
-    from regen.generate import shard_lock
+    from regen.layout import RunLayout
 
-    with shard_lock(tmp_path / "ds", shard_name(0, 1)):
+    with ShardStore(RunLayout(tmp_path / "ds"), 0, 1).lock():
         with pytest.raises(ShardFailed, match=r"being generated right now by pid \d+"):
-            generate_shard(PROMPTS, tmp_path / "ds", [("http://127.0.0.1:9", None)], 0, 1,
-                           fast_settings())
+            generate_shard(PROMPTS, tmp_path / "ds", [("http://127.0.0.1:9", None)])
 
 
 def test_a_rerun_reuses_good_rows_and_a_settings_change_regenerates(sim_servers, tmp_path):
     cfg, records = sim_servers(num_servers=1)
     prompts = subset(tmp_path, 50)
     out = tmp_path / "ds"
-    first = generate_shard(prompts, out, endpoints(records), 0, 1, fast_settings(model_fingerprint="m1"))
+    first = generate_shard(prompts, out, endpoints(records), identity="m1")
     assert first.done == 50
     before = sim_requests_total(records[0].url)
-    again = generate_shard(prompts, out, endpoints(records), 0, 1, fast_settings(model_fingerprint="m1"))
+    again = generate_shard(prompts, out, endpoints(records), identity="m1")
     assert (again.done, again.skipped) == (0, 50)
     assert sim_requests_total(records[0].url) == before  # nothing sent
-    changed = generate_shard(prompts, out, endpoints(records), 0, 1, fast_settings(model_fingerprint="m1", max_tokens=900))
+    changed = generate_shard(prompts, out, endpoints(records), identity="m1", max_tokens=900)
     assert changed.done == 50  # other settings: every row regenerated
     df = pd.read_parquet(out / "data")
     assert len(df) == 50 and df["id"].is_unique and df["settings_hash"].nunique() == 1
@@ -217,19 +225,19 @@ def test_a_rerun_reuses_good_rows_and_a_settings_change_regenerates(sim_servers,
 def test_without_a_known_model_existing_rows_are_regenerated_not_reused(sim_servers, tmp_path):
     cfg, records = sim_servers(num_servers=1)
     prompts = subset(tmp_path, 20)
-    generate_shard(prompts, tmp_path / "ds", endpoints(records), 0, 1, fast_settings(model_fingerprint="m1"))
-    unknown = generate_shard(prompts, tmp_path / "ds", endpoints(records), 0, 1, fast_settings())
+    generate_shard(prompts, tmp_path / "ds", endpoints(records), identity="m1")
+    unknown = generate_shard(prompts, tmp_path / "ds", endpoints(records))
     assert unknown.done == 20 and unknown.skipped == 0
-    known = generate_shard(prompts, tmp_path / "ds", endpoints(records), 0, 1, fast_settings(model_fingerprint="m1"))
+    known = generate_shard(prompts, tmp_path / "ds", endpoints(records), identity="m1")
     assert known.done == 20  # the rows now carry the unknown model's hash: regenerated again
-    again = generate_shard(prompts, tmp_path / "ds", endpoints(records), 0, 1, fast_settings(model_fingerprint="m1"))
+    again = generate_shard(prompts, tmp_path / "ds", endpoints(records), identity="m1")
     assert again.skipped == 20 and again.done == 0
 
 
 def test_unreadable_records_are_listed_with_file_and_line_and_the_shard_goes_on(sim_servers, tmp_path):
     cfg, records = sim_servers(num_servers=1)
     prompts = subset(tmp_path, 30, extra=["{not json", json.dumps({"prompt": "no id"})])
-    result = generate_shard(prompts, tmp_path / "ds", endpoints(records), 0, 1, fast_settings())
+    result = generate_shard(prompts, tmp_path / "ds", endpoints(records))
     assert (result.done, result.bad_records) == (30, 2)
     errors = (tmp_path / "ds" / "work" / "errors" / f"{shard_name(0, 1)}.txt").read_text().splitlines()
     assert errors[0].startswith(f"{prompts}:31: not valid JSON")

@@ -11,29 +11,30 @@ import time
 import pytest
 
 from conftest import processes_with_args
-from regen.pipeline import state_dir
+from regen.layout import RunLayout
 from regen.servers import (ServerError, ServerRecord, build_command, port_is_free,
                            session_pids, start_servers, stop_records, stop_servers)
 
 
 def test_start_health_and_stop_leave_no_process_or_port(make_config):
     cfg = make_config(num_servers=2)
-    records = start_servers(cfg, cfg.model_path, state_dir(cfg))
+    records = start_servers(cfg, cfg.model_path)
     assert [r.port for r in records] == [cfg.base_port, cfg.base_port + 1]
     assert all(session_pids(r.pid) for r in records)
-    assert all((state_dir(cfg) / f"server-{r.index}.log").exists() for r in records)
-    assert oct((state_dir(cfg) / "servers.json").stat().st_mode & 0o777) == "0o600"  # API key
-    assert stop_servers(state_dir(cfg)) == 2
+    layout = RunLayout(cfg.output)
+    assert all(layout.server_log(r.index).exists() for r in records)
+    assert oct(layout.servers_state.stat().st_mode & 0o777) == "0o600"  # API key
+    assert stop_servers(layout) == 2
     for r in records:
         assert session_pids(r.pid) == []
         assert port_is_free(cfg.host, r.port)
-    assert stop_servers(state_dir(cfg)) == 0  # a second teardown is harmless
+    assert stop_servers(layout) == 0  # a second teardown is harmless
 
 
 def test_start_is_idempotent_and_reuses_healthy_servers(sim_servers):
     cfg, first = sim_servers(num_servers=2)
     stop_records([first[1]], grace_s=5)  # one server died
-    second = start_servers(cfg, cfg.model_path, state_dir(cfg))
+    second = start_servers(cfg, cfg.model_path)
     assert second[0].pid == first[0].pid  # healthy: reused
     assert second[1].pid != first[1].pid  # gone: restarted
     assert second[1].api_key == first[0].api_key  # one key for the run
@@ -46,7 +47,7 @@ def test_a_taken_port_fails_fast_naming_it(make_config):
         sock.listen()
         started = time.monotonic()
         with pytest.raises(ServerError, match=f"port {cfg.base_port + 1} on 127.0.0.1 already in use"):
-            start_servers(cfg, cfg.model_path, state_dir(cfg))
+            start_servers(cfg, cfg.model_path)
         assert time.monotonic() - started < 2
     assert processes_with_args("--port", str(cfg.base_port)) == []  # nothing was launched
 
@@ -55,7 +56,7 @@ def test_a_server_that_crashes_while_starting_fails_with_its_log_tail(make_confi
     cfg = make_config(num_servers=2, startup_timeout_s=600)
     started = time.monotonic()
     with pytest.raises(ServerError) as err:
-        start_servers(cfg, str(tmp_path / "no-model-here"), state_dir(cfg))
+        start_servers(cfg, str(tmp_path / "no-model-here"))
     assert time.monotonic() - started < 10
     assert "exited with code 1 while starting" in str(err.value)
     assert "no config.json" in str(err.value)  # the log's last lines
@@ -65,7 +66,7 @@ def test_a_server_that_crashes_while_starting_fails_with_its_log_tail(make_confi
 
 def test_teardown_kills_children_that_ignore_sigterm(make_config):
     cfg = make_config(num_servers=1, extra_server_args=["--sim-orphan-child"])
-    records = start_servers(cfg, cfg.model_path, state_dir(cfg))
+    records = start_servers(cfg, cfg.model_path)
     assert len(session_pids(records[0].pid)) == 2  # the server and its stubborn child
     left = stop_records(records, grace_s=1)
     assert left == []
@@ -88,13 +89,13 @@ def test_a_model_path_with_shell_metacharacters_runs_no_command(make_config, tin
     evil = tmp_path / "model; touch PWNED; $(touch PWNED2)"
     shutil.copytree(tiny_model, evil)
     cfg = make_config(num_servers=1, model_path=str(evil))
-    records = start_servers(cfg, cfg.model_path, state_dir(cfg))
+    records = start_servers(cfg, cfg.model_path)
     try:
         assert records[0].argv[records[0].argv.index("--model-path") + 1] == str(evil)
     finally:
-        stop_servers(state_dir(cfg))
+        stop_servers(RunLayout(cfg.output))
     assert not list(tmp_path.rglob("PWNED*"))
-    assert not list(state_dir(cfg).rglob("PWNED*"))
+    assert not list(RunLayout(cfg.output).servers.rglob("PWNED*"))
 
 
 def test_sglang_and_vllm_commands_carry_the_launch_options(make_config):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,9 +13,14 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, ROOT, free_port_base, processes_with_args, read_ids, wait_until
-from regen import pipeline
-from regen.remote import RemoteError
-from regen.servers import port_is_free
+from regen.audit import audit
+from regen.canary import canary
+from regen.generate import generate
+from regen.pipeline import run
+from regen.preflight import preflight
+from regen.progress import progress
+from regen.servers import logs, port_is_free, serve, stop
+from regen.stage import stage_weights
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
@@ -60,24 +66,24 @@ def node(sshd, monkeypatch, make_config):
     monkeypatch.setenv("AIRFLOW_CONN_GPU_NODE", connection(sshd))
 
     def config(**overrides):
-        return make_config(ssh_conn_id="gpu_node", remote_regen=str(BIN / "regen"), **overrides)
+        return make_config(**{"ssh_conn_id": "gpu_node", "remote_regen": str(BIN / "regen"), **overrides})
 
     return config
 
 
 def test_stage_serve_health_logs_and_teardown_run_on_the_node(node, tmp_path):
     cfg = node(num_servers=2)
-    staged = pipeline.stage_weights(cfg)
+    staged = run(stage_weights, cfg)["path"]
     assert staged.startswith(str(tmp_path / "shm"))
     assert (Path(staged) / "config.json").exists()
-    assert pipeline.stage_weights(cfg) == staged  # a second staging is a no-op
-    urls = pipeline.start_servers(cfg, staged)
+    assert run(stage_weights, cfg)["path"] == staged  # a second staging is a no-op
+    urls = run(serve, cfg, served_model_path=staged)["urls"]
     assert urls == [f"http://127.0.0.1:{cfg.base_port + i}" for i in range(2)]
     try:
-        logs = pipeline.server_logs(cfg)
-        assert "==> server 0" in logs and "regen sim:" in logs
-        assert pipeline.canary(cfg)["text"].startswith("canary passed")
-        assert "shard 0/2" in pipeline.generate(cfg, 0)
+        text = run(logs, cfg)["logs"]
+        assert "==> server 0" in text and "regen sim:" in text
+        assert run(canary, cfg)["passed"] is True
+        assert "shard 0/2" in run(generate, cfg, shard=0)["summary"]
         from regen.web import config_data
 
         page = config_data(cfg)  # what the run page shows for a run on the node
@@ -85,11 +91,94 @@ def test_stage_serve_health_logs_and_teardown_run_on_the_node(node, tmp_path):
         assert page["progress"]["shards"]["shard-00000"]["state"] == "done"
         assert page["progress"]["canary"]["passed"] is True
     finally:
-        pipeline.stop_servers(cfg)
+        run(stop, cfg)
     for i in range(2):
         assert processes_with_args("--port", str(cfg.base_port + i)) == []
         assert port_is_free("127.0.0.1", cfg.base_port + i)
-    pipeline.stop_servers(cfg)  # a second teardown is harmless
+    assert run(stop, cfg)["stopped"] == 0  # a second teardown is harmless
+
+
+# Values that differ between any two runs (timings, rates) or name this run's own resources (its
+# output, ports, pids): masked before local and remote documents are compared field by field.
+VOLATILE = {"seconds", "elapsed_s", "updated", "tokens_per_s", "rows_per_s", "eta_s", "pid",
+            "latency_s", "text", "tokens_per_sample", "summary", "history"}
+
+
+def normalized(doc, cfg):
+    """The document with this run's own names replaced by placeholders and timings masked."""
+    def walk(value, key=None):
+        if key in VOLATILE:
+            return "<volatile>"
+        if isinstance(value, dict):
+            return {walk(k): walk(v, k) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, str):
+            for i in range(cfg.num_servers):
+                value = value.replace(str(cfg.base_port + i), f"<port{i}>")
+            value = re.sub(r"pid \d+", "pid <pid>", value)
+            return value.replace(cfg.output, "<output>").replace(cfg.staging_dir, "<staging>")
+        return value
+
+    return walk(doc)
+
+
+def differences(a, b, path="") -> list[str]:
+    """Where two documents differ, field by field (paths like `progress.shards.shard-00000`)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in (
+            differences(a[k], b[k], f"{path}.{k}") if k in a and k in b else [f"{path}.{k}: only one side"])]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
+def every_stage(cfg) -> dict[str, dict]:
+    """Each stage of a run, in the DAG's order, as its result document."""
+    docs = {"preflight": run(preflight, cfg)}
+    docs["stage_weights"] = run(stage_weights, cfg)
+    docs["serve"] = run(serve, cfg, served_model_path=docs["stage_weights"]["path"])
+    try:
+        docs["logs"] = run(logs, cfg, lines=1)
+        docs["canary"] = run(canary, cfg)
+        for shard in range(cfg.num_shards):
+            docs[f"generate {shard}"] = run(generate, cfg, shard=shard)
+        docs["audit"] = run(audit, cfg)
+        docs["progress"] = run(progress, cfg)
+    finally:
+        docs["stop"] = run(stop, cfg)
+    return docs
+
+
+@pytest.mark.slow
+def test_every_stage_gives_the_same_document_locally_and_on_the_node(node, make_config, tmp_path):
+    common = dict(num_servers=1, num_shards=2, sim_tokens_per_second=5000, seed=3)
+    here = make_config(output=str(tmp_path / "here"), staging_dir=str(tmp_path / "shm-here"), **common)
+    there = node(output=str(tmp_path / "there"), staging_dir=str(tmp_path / "shm-there"), **common)
+    local, remote = every_stage(here), every_stage(there)
+    assert list(local) == list(remote)
+    for name in local:
+        assert differences(normalized(local[name], here), normalized(remote[name], there)) == [], name
+    # The audit's section of progress.json is written wherever the audit runs.
+    sections = [json.loads((Path(c.output) / "progress.json").read_text())["audit"] for c in (here, there)]
+    assert differences(normalized(sections[0], here), normalized(sections[1], there)) == []
+    assert sections[1]["verdict"] == "PASS" and sections[1]["samples"] == 280
+
+
+def test_a_warning_printed_after_the_result_does_not_break_it(node, tmp_path, make_config):
+    """The node's interpreter, a profile or a library may print after the stage returns."""
+    wrapper = tmp_path / "regen-then-warn"
+    wrapper.write_text(f'#!/bin/sh\n"{BIN / "regen"}" "$@"\ncode=$?\n'
+                       f'echo "WARNING: something printed after the result {{not json}}"\nexit $code\n')
+    wrapper.chmod(0o755)
+    cfg = node(remote_regen=str(wrapper))
+    assert Path(run(stage_weights, cfg)["path"]).is_dir()
+    from regen.preflight import PreflightFailed
+
+    bad = node(remote_regen=str(wrapper), prompts=str(tmp_path / "none.jsonl"))
+    with pytest.raises(PreflightFailed) as err:
+        run(preflight, bad, code=False)
+    assert err.value.problems == [f"prompts {tmp_path / 'none.jsonl'}: file not found"]
 
 
 def test_a_wrong_host_key_is_refused(sshd, monkeypatch, make_config):
@@ -99,7 +188,7 @@ def test_a_wrong_host_key_is_refused(sshd, monkeypatch, make_config):
     monkeypatch.setenv("AIRFLOW_CONN_GPU_NODE", connection(sshd, host_key=wrong))
     cfg = make_config(ssh_conn_id="gpu_node", remote_regen=str(BIN / "regen"))
     with pytest.raises(Exception, match="(?i)host key|not found in known_hosts|BadHostKey"):
-        pipeline.stage_weights(cfg)
+        run(stage_weights, cfg)
     assert not Path(cfg.staging_dir).exists()
 
 
@@ -107,16 +196,18 @@ def test_shell_metacharacters_in_params_run_no_command_on_the_node(node, tiny_mo
     evil = tmp_path / "model; touch PWNED; $(touch PWNED2) `touch PWNED3`"
     shutil.copytree(tiny_model, evil)
     cfg = node(model_path=str(evil), num_servers=1)
-    staged = pipeline.stage_weights(cfg)
+    staged = run(stage_weights, cfg)["path"]
     assert Path(staged).exists()
     assert not list(tmp_path.rglob("PWNED*")) and not list(Path.cwd().glob("PWNED*"))
     assert not list(Path("/root").glob("PWNED*"))
 
 
-def test_a_remote_failure_carries_the_nodes_message(node, tmp_path):
+def test_a_remote_failure_carries_the_nodes_message_and_type(node, tmp_path):
+    from regen.stage import StageError
+
     cfg = node(model_path=str(tmp_path / "missing"))
-    with pytest.raises(RemoteError, match="not a model directory"):
-        pipeline.stage_weights(cfg)
+    with pytest.raises(StageError, match="not a model directory"):
+        run(stage_weights, cfg)
 
 
 def test_preflight_on_the_node_lists_its_problems(node, tmp_path):
@@ -124,8 +215,8 @@ def test_preflight_on_the_node_lists_its_problems(node, tmp_path):
 
     cfg = node(prompts=str(tmp_path / "none.jsonl"))
     with pytest.raises(PreflightFailed) as err:
-        pipeline.preflight(cfg)
-    assert err.value.problems == [f"gpu_node: prompts {tmp_path / 'none.jsonl'}: file not found"]
+        run(preflight, cfg)
+    assert err.value.problems == [f"prompts {tmp_path / 'none.jsonl'}: file not found"]
 
 
 @pytest.mark.slow

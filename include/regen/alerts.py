@@ -14,6 +14,10 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from regen.layout import RunLayout
 
 log = logging.getLogger("regen.alerts")
 
@@ -47,24 +51,26 @@ def failure_reason(exception: BaseException | None) -> str:
     return f"failed: {type(exception).__name__}: {text[0] if text else ''}"[:1000]
 
 
-def check_overdue(output: str | Path) -> dict | None:
+def check_overdue(output: "RunLayout | str | Path") -> dict | None:
     """Once per run: alert when generation has gone on OVERDUE_FACTOR times the canary's
     estimate of the whole run (counted from when the canary measured it)."""
+    from regen.layout import RunLayout
     from regen.progress import format_duration, read_json
 
-    canary = read_json(Path(output) / "work" / "progress" / "canary.json") or {}
+    layout = output if isinstance(output, RunLayout) else RunLayout(output)
+    canary = read_json(layout.progress_part("canary")) or {}
     eta, since = (canary.get("estimate") or {}).get("eta_s"), canary.get("updated")
     if not eta or not since:
         return None
     elapsed = time.time() - since
-    marker = Path(output) / "work" / "alerts" / f"overdue-{int(since)}"
+    marker = layout.alerts / f"overdue-{int(since)}"
     if elapsed < OVERDUE_FACTOR * eta or marker.exists():
         return None
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
     return send("generate", f"is running {elapsed / eta:.1f}x past the canary's estimate "
                 f"({format_duration(elapsed)} so far, estimated {format_duration(eta)})",
-                output=str(output))
+                output=str(layout.root))
 
 
 def notifier():

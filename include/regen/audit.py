@@ -26,6 +26,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from regen.chat import QWEN, ChatFormat, load_tokenizer, loss_token_counts, render, training_messages
+from regen.config import RunConfig
+from regen.errors import DataError, RegenError
+from regen.layout import RunLayout
 
 log = logging.getLogger("regen.audit")
 
@@ -48,10 +51,29 @@ SAMPLE_SCHEMA = pa.schema([
 ])
 
 
-@dataclass
+class AuditFailed(RegenError):
+    """The data fails its thresholds; the message is the audit's five-line summary."""
+
+    def __init__(self, message: str, summary: dict | None = None):
+        super().__init__(message)
+        self.summary = summary or {}
+
+    def detail(self) -> dict:
+        return {"summary": self.summary}
+
+    @classmethod
+    def from_detail(cls, message: str, detail: dict) -> "AuditFailed":
+        return cls(message, detail.get("summary"))
+
+
+@dataclass(frozen=True)
 class AuditThresholds:
-    min_loss_tokens: int = 16
-    max_degenerate_fraction: float = 0.01
+    min_loss_tokens: int
+    max_degenerate_fraction: float
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> "AuditThresholds":
+        return cls(cfg.min_loss_tokens, cfg.max_degenerate_fraction)
 
 
 @dataclass
@@ -139,17 +161,17 @@ def _messages(row: dict) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def iter_batches(data_dir: Path, batch_size: int = 512) -> Iterator[list[dict]]:
+def iter_batches(layout: RunLayout, batch_size: int = 512) -> Iterator[list[dict]]:
     """Rows in batches, one file at a time: memory holds one batch, however large the data."""
-    files = sorted(p for p in Path(data_dir).glob("*.parquet") if not p.name.startswith((".", "_")))
+    files = layout.data_files()
     if not files:
-        raise FileNotFoundError(f"{data_dir}: no Parquet files to audit")
+        raise DataError(f"{layout.data}: no Parquet files to read")
     for path in files:
         parquet = pq.ParquetFile(path)
         names = parquet.schema_arrow.names
         missing = {"id", "messages", "content"} - set(names)
         if missing:
-            raise ValueError(f"{path}: the data has no column(s) {sorted(missing)}")
+            raise DataError(f"{path}: the data has no column(s) {sorted(missing)}")
         wanted = [c for c in ("id", "messages", "reasoning_content", "content", "finish_reason",
                               "completion_tokens", "error", "enable_thinking") if c in names]
         for batch in parquet.iter_batches(batch_size=batch_size, columns=wanted):
@@ -288,25 +310,24 @@ def audited_batches(batches: Iterable[list[dict]], tokenizer_dir: str, threshold
             yield done_rows, future.result()
 
 
-def count_rows(data_dir: Path) -> int:
-    return sum(pq.ParquetFile(p).metadata.num_rows for p in Path(data_dir).glob("*.parquet")
-               if not p.name.startswith((".", "_")))
+def count_rows(layout: RunLayout) -> int:
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in layout.data_files())
 
 
-def audit_dataset(data_dir: str | Path, tokenizer_dir: str | Path, report_dir: str | Path,
-                  thresholds: AuditThresholds | None = None, default_thinking: bool = True,
+def audit_dataset(data: str | Path, tokenizer_dir: str | Path, report_dir: str | Path,
+                  thresholds: AuditThresholds, default_thinking: bool = True,
                   batch_size: int = 512, workers: int | None = None) -> AuditReport:
-    """``workers``: processes to audit with; default every core once the data is large enough
-    to pay for their start-up (a few seconds each)."""
-    thresholds = thresholds or AuditThresholds()
+    """``data``: an output directory or its data/. ``workers``: processes to audit with; default
+    every core once the data is large enough to pay for their start-up (a few seconds each)."""
+    layout = RunLayout.from_data_arg(data)
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
     if workers is None:
-        workers = (os.cpu_count() or 1) if count_rows(Path(data_dir)) >= 8 * batch_size else 1
+        workers = (os.cpu_count() or 1) if count_rows(layout) >= 8 * batch_size else 1
     summary = AuditSummary()
     seen: set[str] = set()
     samples_tmp = report_dir / ".samples.parquet.tmp"
-    batches = iter_batches(Path(data_dir), batch_size)
+    batches = iter_batches(layout, batch_size)
     with pq.ParquetWriter(samples_tmp, SAMPLE_SCHEMA, compression="zstd") as writer:
         for rows, results in audited_batches(batches, str(tokenizer_dir), thresholds,
                                              default_thinking, workers):
@@ -320,6 +341,23 @@ def audit_dataset(data_dir: str | Path, tokenizer_dir: str | Path, report_dir: s
     (report_dir / "summary.json").write_text(json.dumps(report.to_json(), indent=1))
     (report_dir / "report.html").write_text(render_html(report))
     return report
+
+
+def audit(cfg: RunConfig, data: str | None = None, tokenizer: str | None = None,
+          report: str | None = None) -> dict:
+    """The audit stage: AuditFailed (with the five-line summary) when the data fails. ``data``
+    takes an output directory or its data/ (default: the run's output)."""
+    from regen.progress import RunProgress
+
+    layout = RunLayout.from_data_arg(data) if data else RunLayout(cfg.output)
+    result = audit_dataset(layout.root, tokenizer or cfg.model_path,
+                           Path(report) if report else layout.audit,
+                           AuditThresholds.from_config(cfg), default_thinking=cfg.enable_thinking)
+    doc = result.to_json()
+    RunProgress(layout).write_section("audit", doc)
+    if not result.passed:
+        raise AuditFailed("\n".join(result.lines()), doc)
+    return doc
 
 
 def _histogram_png(values: Iterable[int], title: str, xlabel: str, threshold: int | None = None) -> str:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from regen.audit import AuditThresholds, audit_rows
 from regen.config import RunConfig
-from regen.generate import GenerationSettings, generate_rows
+from regen.errors import RegenError
+from regen.generate import generate_rows
 from regen.progress import RunProgress, format_duration
 from regen.prompts import Prompt, read_prompts
 
@@ -25,7 +26,7 @@ log = logging.getLogger("regen.canary")
 MAX_BAD_FRACTION = 0.25
 
 
-class CanaryFailed(RuntimeError):
+class CanaryFailed(RegenError):
     pass
 
 
@@ -67,11 +68,10 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
     prompts, total = first_prompts(cfg.prompts, cfg.canary_size)
     if not prompts:
         raise CanaryFailed(f"prompts {cfg.prompts}: no readable prompt for the canary")
-    settings = GenerationSettings.from_config(cfg)
-    settings.max_attempts = min(settings.max_attempts, 3)
-    rows, slots = generate_rows(prompts, endpoints, settings)
-    thresholds = AuditThresholds(cfg.min_loss_tokens, cfg.max_degenerate_fraction)
-    summary, results = audit_rows(rows, cfg.model_path, thresholds, cfg.enable_thinking)
+    quick = cfg.model_copy(update={"max_attempts": min(cfg.max_attempts, 3)})
+    rows, slots = generate_rows(quick, prompts, endpoints)
+    summary, results = audit_rows(rows, cfg.model_path, AuditThresholds.from_config(cfg),
+                                  cfg.enable_thinking)
     result = CanaryResult(rows)
     n = len(rows)
 
@@ -100,3 +100,15 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
         "loss_tokens": sorted(r["loss_tokens"] for r in results),
     })
     return result
+
+
+def canary(cfg: RunConfig) -> dict:
+    """The canary stage, against the servers start_servers recorded."""
+    from regen.servers import recorded_endpoints
+
+    result = run_canary(cfg, recorded_endpoints(cfg))
+    if result.problems:
+        raise CanaryFailed("\n".join(result.problems))
+    return {"passed": True, "samples": len(result.rows), "estimate": result.estimate,
+            "summary": f"canary passed: {len(result.rows)} samples; estimate: "
+                       f"{result.estimate.get('text', 'n/a')}"}

@@ -15,7 +15,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from regen.config import ConfigError, RunConfig
+from regen.config import RunConfig
+from regen.errors import DataError, RegenError
+from regen.layout import RunLayout
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -91,150 +93,116 @@ def _setup_logging(verbose: bool = False) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
+# Each command runs its stage through regen.pipeline (here, or on the config's SSH node) and
+# prints the result document's parts a person needs.
+
 def cmd_preflight(args) -> int:
-    from regen.pipeline import state_dir
-    from regen.preflight import run_preflight
+    from regen.pipeline import run
+    from regen.preflight import PreflightFailed, preflight
 
     cfg = load_config(args)
-    report = run_preflight(cfg, state_dir(cfg), code=not args.skip_code)
-    for problem in report.problems:
-        print(problem)
-    if report.ok:
-        print(f"preflight ok in {report.seconds:.1f} s: {report.info.get('prompts', 0):,} prompts, "
-              f"{cfg.num_shards} shards, engine {cfg.engine}", file=sys.stderr)
-        return 0
-    print(f"preflight: {len(report.problems)} problem(s) in {report.seconds:.1f} s", file=sys.stderr)
-    return EXIT_FAILED
+    try:
+        result = run(preflight, cfg, code=not args.skip_code)
+    except PreflightFailed as exc:
+        for problem in exc.problems:
+            print(problem)
+        print(f"preflight: {len(exc.problems)} problem(s)", file=sys.stderr)
+        return EXIT_FAILED
+    print(result["summary"], file=sys.stderr)
+    return 0
 
 
 def cmd_stage(args) -> int:
-    from regen.pipeline import stage_weights
+    from regen.pipeline import run
+    from regen.stage import stage_weights
 
-    print(stage_weights(load_config(args)))
+    print(run(stage_weights, load_config(args))["path"])
     return 0
 
 
 def cmd_serve(args) -> int:
-    from regen.pipeline import start_servers, state_dir, stop_servers
+    from regen.pipeline import run
+    from regen.servers import serve, stop
 
     cfg = load_config(args)
     if args.stop:
-        stopped = stop_servers(cfg)
-        print(f"stopped {stopped} server(s)")
+        print(run(stop, cfg)["summary"])
         return 0
-    model = args.served_model_path or cfg.model_path
-    for url in start_servers(cfg, model):
+    for url in run(serve, cfg, served_model_path=args.served_model_path)["urls"]:
         print(url)
-    print(f"state and logs: {state_dir(cfg)}; stop with `regen serve --stop` and the same config",
-          file=sys.stderr)
+    print(f"state and logs: {RunLayout(cfg.output).servers}; stop with `regen serve --stop` and "
+          f"the same config", file=sys.stderr)
     return 0
 
 
 def cmd_logs(args) -> int:
-    from regen.pipeline import server_logs
+    from regen.pipeline import run
+    from regen.servers import logs
 
-    logs = server_logs(load_config(args), args.lines)
-    print(logs or "no servers recorded")
-    return 0 if logs else EXIT_FAILED
+    result = run(logs, load_config(args), lines=args.lines)
+    print(result["logs"] or "no servers recorded")
+    return 0 if result["logs"] else EXIT_FAILED
 
 
 def cmd_canary(args) -> int:
-    from regen.canary import CanaryFailed
-    from regen.pipeline import canary
+    from regen.canary import canary
+    from regen.pipeline import run
 
-    try:
-        estimate = canary(load_config(args))
-    except CanaryFailed as exc:
-        print(exc)
-        return EXIT_FAILED
-    print(f"canary passed; {estimate.get('text', 'no estimate')}")
+    print(run(canary, load_config(args))["summary"])
     return 0
 
 
 def cmd_generate(args) -> int:
-    from regen.generate import GenerationSettings, ShardFailed, generate_shard
+    from regen.generate import generate
+    from regen.pipeline import run
 
     cfg = load_config(args)
-    if args.endpoints:
-        endpoints = [(u.strip(), cfg.api_key) for u in args.endpoints.split(",") if u.strip()]
-    else:
-        from regen.pipeline import endpoints as recorded
-
-        endpoints = recorded(cfg)
-    settings = GenerationSettings.from_config(cfg)
-    if args.endpoints and not (args.config or args.config_json or args.model_path):
-        # Servers named by URL only: the model they serve is unknown here, so rows already in
-        # the output cannot be proven to come from it; they are regenerated, not reused.
-        settings.model_fingerprint = None
+    endpoints = [u.strip() for u in args.endpoints.split(",") if u.strip()] if args.endpoints else None
     shards = [args.shard] if args.shard is not None else list(range(cfg.num_shards))
-    bar = None if args.no_progress_bar else _progress_bar()
-    try:
-        for shard in shards:
-            result = generate_shard(cfg.prompts, cfg.output, endpoints, shard, cfg.num_shards,
-                                    settings, on_row=bar)
-            print(result.summary())
-    except ShardFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    finally:
-        if hasattr(bar, "close"):
-            bar.close()
+    for shard in shards:
+        print(run(generate, cfg, shard=shard, endpoints=endpoints)["summary"])
     return 0
 
 
-def _progress_bar():
-    """A tqdm bar on a terminal; nothing otherwise (logs carry the progress lines)."""
-    if not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    bar = tqdm(unit="row", dynamic_ncols=True)
-
-    class Bar:
-        def __call__(self, row: dict) -> None:
-            bar.update(1)
-            if row.get("error"):
-                bar.set_postfix_str(f"last error: {row['error'][:40]}")
-
-        def close(self) -> None:
-            bar.close()
-
-    return Bar()
-
-
 def cmd_audit(args) -> int:
-    from regen.audit import AuditThresholds, audit_dataset
+    import json
+
+    from regen.audit import AuditFailed, audit
+    from regen.pipeline import run
 
     cfg = load_config(args)
-    data = Path(args.data) if args.data else Path(cfg.output) / "data"
-    tokenizer = args.tokenizer or cfg.model_path
-    report_dir = Path(args.report) if args.report else data.parent / "audit"
     try:
-        report = audit_dataset(data, tokenizer, report_dir,
-                               AuditThresholds(cfg.min_loss_tokens, cfg.max_degenerate_fraction),
-                               default_thinking=cfg.enable_thinking)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    for line in report.lines():
+        doc = run(audit, cfg, data=args.data, tokenizer=args.tokenizer, report=args.report)
+    except AuditFailed as exc:
+        doc = exc.summary
+    for line in doc.get("summary") or []:
         print(line)
     if args.summary_json:
-        import json
-
-        print(json.dumps(report.to_json()))
-    return 0 if report.passed else EXIT_FAILED
+        print(json.dumps(doc))
+    return 0 if doc.get("verdict") == "PASS" else EXIT_FAILED
 
 
 def cmd_export(args) -> int:
     from regen.export import export_sharegpt
 
-    try:
-        result = export_sharegpt(args.data, args.out, expect_reasoning=args.expect_reasoning)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    result = export_sharegpt(args.data, args.out, expect_reasoning=args.expect_reasoning)
     print(result.summary())
     return 0
+
+
+def cmd_run_stage(args) -> int:
+    """How an SSH node runs a stage for regen.pipeline: the result document on one marked line."""
+    import json
+
+    from regen.pipeline import execute
+
+    cfg = load_config(args)
+    doc = execute(args.stage, cfg, json.loads(args.kwargs_json))
+    if not doc["ok"]:
+        logging.getLogger("regen").error("%s: %s", doc["error"]["type"], doc["error"]["message"])
+    sys.stdout.write(f"\n{args.result_marker}{json.dumps(doc)}\n")
+    sys.stdout.flush()
+    return 0 if doc["ok"] else EXIT_FAILED
 
 
 def cmd_config(args) -> int:
@@ -244,12 +212,13 @@ def cmd_config(args) -> int:
 
 
 def cmd_progress(args) -> int:
-    """What the run page shows, as one line of JSON (how the page reads an SSH node's run)."""
+    """What the run page shows, as JSON."""
     import json
 
-    from regen.web import run_data
+    from regen.pipeline import run
+    from regen.progress import progress
 
-    print(json.dumps(run_data(Path(load_config(args).output)), default=str))
+    print(json.dumps(run(progress, load_config(args)), default=str))
     return 0
 
 
@@ -257,18 +226,16 @@ def cmd_summary(args) -> int:
     """Where the dataset and the report are, and the audit's five lines: readable in seconds."""
     import json
 
-    cfg = load_config(args)
-    output = Path(cfg.output)
-    progress = json.loads((output / "progress.json").read_text()) if (output / "progress.json").exists() else {}
-    print(f"dataset:  {output / 'data'}  ({progress.get('done', 0):,} rows done, "
+    layout = RunLayout(load_config(args).output)
+    progress = json.loads(layout.progress_file.read_text()) if layout.progress_file.exists() else {}
+    print(f"dataset:  {layout.data}  ({progress.get('done', 0):,} rows done, "
           f"{progress.get('failed', 0):,} failed, of {progress.get('total', 0):,})")
-    print(f"progress: {output / 'progress.json'}")
-    summary_path = output / "audit" / "summary.json"
-    if not summary_path.exists():
+    print(f"progress: {layout.progress_file}")
+    if not layout.summary_json.exists():
         print("audit:    not run yet")
         return EXIT_FAILED
-    summary = json.loads(summary_path.read_text())
-    print(f"audit:    {output / 'audit'}  (report.html, summary.json, samples.parquet)")
+    summary = json.loads(layout.summary_json.read_text())
+    print(f"audit:    {layout.audit}  (report.html, summary.json, samples.parquet)")
     for line in summary["summary"]:
         print("  " + line)
     return 0 if summary["verdict"] == "PASS" else EXIT_FAILED
@@ -324,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("audit", help="the loss-mask audit of a dataset; non-zero exit when it fails")
     _add_config_flags(p)
-    p.add_argument("--data", help="the dataset's data/ directory (default: OUTPUT/data)")
+    p.add_argument("--data", help="an output directory or its data/ (default: the config's output)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model path)")
     p.add_argument("--report", help="report directory (default: next to data/, in audit/)")
     p.add_argument("--no-thinking", dest="enable_thinking", action="store_false", default=None,
@@ -333,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_audit)
 
     p = sub.add_parser("export", help="write the dataset as SpecForge/DFlash training JSONL")
-    p.add_argument("--data", required=True, help="the dataset's data/ directory")
+    p.add_argument("--data", required=True, help="an output directory or its data/")
     p.add_argument("--format", choices=["sharegpt"], default="sharegpt")
     p.add_argument("--out", required=True, type=Path, help="JSONL file to write")
     p.add_argument("--expect-reasoning", action=argparse.BooleanOptionalAction, default=True,
@@ -353,6 +320,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(p)
     p.set_defaults(func=cmd_summary)
 
+    p = sub.add_parser("run-stage", help="internal: run one stage and print its result document "
+                       "on a marked line (how an SSH node runs a stage)")
+    p.add_argument("stage", help="module:function of the stage")
+    _add_config_flags(p)
+    p.add_argument("--kwargs-json", default="{}")
+    p.add_argument("--result-marker", required=True)
+    p.set_defaults(func=cmd_run_stage)
+
     p = sub.add_parser("demo-model", help="build the tiny local model and tokenizer of the demo")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--force", action="store_true")
@@ -369,21 +344,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
+    if args.no_progress_bar:
+        import os
+
+        os.environ["REGEN_NO_PROGRESS_BAR"] = "1"
     try:
         return args.func(args)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return EXIT_USAGE
-    except Exception as exc:
-        from regen.generate import ShardFailed
-        from regen.preflight import PreflightFailed
-        from regen.servers import ServerError
-        from regen.stage import StageError
-
-        if isinstance(exc, (ShardFailed, PreflightFailed, ServerError, StageError, RuntimeError)):
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_FAILED
-        raise
+    except RegenError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(exc, (ValueError, DataError)) else EXIT_FAILED
 
 
 if __name__ == "__main__":

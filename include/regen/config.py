@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from regen.errors import RegenError
 from regen.paths import DEMO_MODEL, DEMO_PROMPTS, PROJECT_ROOT, VAR_DIR
 
 Engine = Literal["sglang", "vllm", "sim"]
@@ -31,7 +32,7 @@ def _section(name: str) -> dict[str, Any]:
     return {"section": name}
 
 
-class ConfigError(ValueError):
+class ConfigError(RegenError, ValueError):
     """A config that cannot be used; the message names each bad field, one per line."""
 
 
@@ -373,6 +374,11 @@ class RunConfig(BaseModel):
 
     def server_count_hint(self) -> int:
         return len(self.gpus) if self.gpus else self.num_servers
+
+    def sampling(self) -> dict[str, Any]:
+        """What is asked of the model for every request: part of every row's settings hash."""
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "seed": self.seed, "enable_thinking": self.enable_thinking}
 
     # --- Loading ---------------------------------------------------------------------------
     @classmethod

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from regen.audit import iter_batches
+from regen.layout import RunLayout
 
 THINK_MARKERS = ("<think>", "</think>")
 
@@ -67,7 +68,7 @@ def export_sharegpt(data_dir: str | Path, out: str | Path, expect_reasoning: boo
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            for rows in iter_batches(Path(data_dir)):
+            for rows in iter_batches(RunLayout.from_data_arg(data_dir)):
                 for row in rows:
                     reason = why_left_out(row, expect_reasoning)
                     if reason:

@@ -1,24 +1,42 @@
-"""The six stages as plain functions of a RunConfig: what each DAG task and each CLI command runs.
+"""The one seam between the stages and where they run.
 
-Stage modules are imported inside each function, so a broken module fails its own stage (and
-preflight, which compiles them all) without breaking the import of the others. With
-``ssh_conn_id`` set, each stage runs on that node instead, as the node's own ``regen`` command
-(:mod:`regen.remote`), and this side only relays its output and its verdict.
+Each stage is a plain function of a RunConfig in its own module (``regen.preflight.preflight``,
+``regen.generate.generate``, ...) that does the work where it runs and returns one JSON result
+document. :func:`run` executes it here, or, when the config names an SSH node, on that node,
+where the node's ``regen run-stage`` calls the very same function and sends its result document
+back on a line marked with a one-time token (:mod:`regen.remote`): whatever else the node prints
+cannot be taken for the result. A stage's expected failure (a :class:`regen.errors.RegenError`)
+is raised here as the same exception, wherever the stage ran.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import json
 import logging
-from pathlib import Path
+import traceback
+from typing import Any, Callable
 
 from regen.config import RunConfig
+from regen.errors import RegenError
 
 log = logging.getLogger("regen")
 
+# Every function that may run as a stage, local or remote: a node runs nothing else by name.
+STAGES = frozenset({
+    "regen.preflight:preflight",
+    "regen.stage:stage_weights",
+    "regen.servers:serve",
+    "regen.servers:stop",
+    "regen.servers:logs",
+    "regen.canary:canary",
+    "regen.generate:generate",
+    "regen.audit:audit",
+    "regen.progress:progress",
+})
 
-class AuditFailed(RuntimeError):
-    pass
+Stage = Callable[..., dict]
 
 
 @contextlib.contextmanager
@@ -32,152 +50,52 @@ def log_group(title: str):
         log.info("::endgroup::")
 
 
-def state_dir(cfg: RunConfig) -> Path:
-    return Path(cfg.output) / "work" / "servers"
+def stage_id(stage: Stage) -> str:
+    sid = f"{stage.__module__}:{stage.__name__}"
+    if sid not in STAGES:
+        raise ValueError(f"{sid} is not a stage")
+    return sid
 
 
-def report_dir(cfg: RunConfig) -> Path:
-    return Path(cfg.output) / "audit"
+def resolve(sid: str) -> Stage:
+    if sid not in STAGES:
+        raise ValueError(f"{sid!r} is not a stage (known: {', '.join(sorted(STAGES))})")
+    module, name = sid.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
-def _remote(cfg: RunConfig, *args: str, check: bool = True):
-    from regen.remote import run_regen
+def run(stage: Stage, cfg: RunConfig, **kwargs: Any) -> dict:
+    """Run ``stage`` where the config says; its result document, or its RegenError raised."""
+    sid = stage_id(stage)
+    where = cfg.ssh_conn_id
+    with log_group(f"{stage.__name__}" + (f" on {where}" if where else "")):
+        if where:
+            from regen.remote import run_stage
 
-    with log_group(f"regen {args[0]} on {cfg.ssh_conn_id}"):
-        return run_regen(cfg, *args, check=check)
-
-
-def preflight(cfg: RunConfig) -> list[int]:
-    """Raise PreflightFailed listing every problem; return the shard indices to map over."""
-    from regen.preflight import PreflightFailed, run_preflight
-
-    if cfg.ssh_conn_id:
-        # The node's regen compiles and imports with the node's interpreter: the one that runs.
-        result = _remote(cfg, "preflight", check=False)
-        if result.exit_code != 0:
-            raise PreflightFailed([f"{cfg.ssh_conn_id}: {line}" for line in result.lines
-                                   if line and not line.startswith("preflight:")])
-        return list(range(cfg.num_shards))
-    with log_group("preflight checks"):
-        report = run_preflight(cfg, state_dir(cfg))
-        for key, value in report.info.items():
-            log.info("preflight: %s = %s", key, value)
-    if not report.ok:
-        for problem in report.problems:
-            log.error("preflight: %s", problem)
-        raise PreflightFailed(report.problems)
-    log.info("preflight passed in %.1f s: %s prompts, %d shards", report.seconds,
-             f"{report.info.get('prompts', 0):,}", cfg.num_shards)
-    return list(range(cfg.num_shards))
+            doc = run_stage(cfg, sid, kwargs)
+            if not doc.get("ok"):
+                raise RegenError.from_doc(doc.get("error") or {}, where=where)
+            result = doc["result"]
+        else:
+            result = _as_document(stage(cfg, **kwargs))
+    summary = result.get("summary")
+    for line in summary if isinstance(summary, list) else [summary] if summary else []:
+        log.info("%s", line)
+    return result
 
 
-def stage_weights(cfg: RunConfig) -> str:
-    """The model path the servers load: the staged copy, or the source when staging is off."""
-    if not cfg.stage_weights:
-        return cfg.model_path
-    if cfg.ssh_conn_id:
-        return _remote(cfg, "stage").lines[-1].strip()
-    from regen.stage import stage_model
-
-    return str(stage_model(cfg.model_path, cfg.staging_dir).path)
-
-
-def start_servers(cfg: RunConfig, served_model_path: str | None = None) -> list[str]:
-    model = served_model_path or cfg.model_path
-    if cfg.ssh_conn_id:
-        lines = _remote(cfg, "serve", "--served-model-path", model).lines
-        return [line.strip() for line in lines if line.startswith("http://")]
-    from regen.servers import start_servers as start
-
-    with log_group("launch and health checks"):
-        urls = [r.url for r in start(cfg, model, state_dir(cfg))]
-    log.info("%d server(s) healthy: %s", len(urls), ", ".join(urls))
-    return urls
+def execute(sid: str, cfg: RunConfig, kwargs: dict) -> dict:
+    """What a node does for :func:`run`: the stage here, its outcome as one document."""
+    try:
+        return {"stage": sid, "ok": True, "result": _as_document(resolve(sid)(cfg, **kwargs))}
+    except RegenError as exc:
+        return {"stage": sid, "ok": False, "error": exc.to_doc()}
+    except Exception as exc:  # a bug: its type, message and traceback reach the Airflow side
+        return {"stage": sid, "ok": False, "error": {
+            "type": type(exc).__name__, "message": f"{exc}\n{traceback.format_exc(limit=8)}",
+            "detail": {}}}
 
 
-def stop_servers(cfg: RunConfig) -> int:
-    if cfg.ssh_conn_id:
-        _remote(cfg, "serve", "--stop")
-        return 0
-    from regen.servers import stop_servers as stop
-
-    return stop(state_dir(cfg))
-
-
-def server_logs(cfg: RunConfig, lines: int = 40) -> str:
-    if cfg.ssh_conn_id:
-        return "\n".join(_remote(cfg, "logs", "--lines", str(lines)).lines)
-    from regen.servers import log_tail, read_state
-
-    return "\n".join(f"==> server {r.index} (port {r.port}, pid {r.pid}): {r.log_path}\n"
-                     f"{log_tail(r.log_path, lines)}" for r in read_state(state_dir(cfg)))
-
-
-def endpoints(cfg: RunConfig) -> list[tuple[str, str | None]]:
-    """The servers start_servers recorded for this run; a clear message when there are none."""
-    from regen.servers import read_state
-
-    records = read_state(state_dir(cfg))
-    if not records:
-        raise RuntimeError(
-            f"no servers recorded in {state_dir(cfg)}: start_servers has not run for this output, "
-            f"or stop_servers already ran. Clear the run from start_servers (untick 'only failed'), "
-            f"or start them with `regen serve --config ...`"
-        )
-    return [(r.url, r.api_key) for r in records]
-
-
-def canary(cfg: RunConfig) -> dict:
-    from regen.canary import CanaryFailed, run_canary
-
-    if cfg.ssh_conn_id:
-        result = _remote(cfg, "canary", check=False)
-        if result.exit_code != 0:
-            raise CanaryFailed(result.tail())
-        return {"text": result.lines[-1] if result.lines else ""}
-    with log_group("canary requests and audit"):
-        result = run_canary(cfg, endpoints(cfg))
-    if result.problems:
-        raise CanaryFailed("\n".join(result.problems))
-    log.info("canary passed: %d samples; estimate: %s", len(result.rows),
-             result.estimate.get("text", "n/a"))
-    return result.estimate
-
-
-def generate(cfg: RunConfig, shard: int) -> str:
-    from regen.generate import GenerationSettings, ShardFailed, generate_shard
-
-    if cfg.ssh_conn_id:
-        result = _remote(cfg, "generate", "--shard", str(shard), check=False)
-        if result.exit_code != 0:
-            raise ShardFailed(result.tail())
-        return next((line for line in reversed(result.lines) if line.startswith("shard ")), "")
-    with log_group(f"shard {shard}/{cfg.num_shards}: progress"):
-        summary = generate_shard(cfg.prompts, cfg.output, endpoints(cfg), shard, cfg.num_shards,
-                                 GenerationSettings.from_config(cfg)).summary()
-    log.info(summary)
-    return summary
-
-
-def audit(cfg: RunConfig) -> dict:
-    """The audit's summary; AuditFailed (with the five-line summary) when the data fails."""
-    if cfg.ssh_conn_id:
-        import json
-
-        result = _remote(cfg, "audit", "--summary-json", check=False)
-        if result.exit_code != 0:
-            raise AuditFailed(result.tail(8))
-        return json.loads(result.lines[-1])
-    from regen.audit import AuditThresholds, audit_dataset
-    from regen.progress import RunProgress
-
-    with log_group("audit progress"):
-        report = audit_dataset(Path(cfg.output) / "data", cfg.model_path, report_dir(cfg),
-                               AuditThresholds(cfg.min_loss_tokens, cfg.max_degenerate_fraction),
-                               default_thinking=cfg.enable_thinking)
-    RunProgress(cfg.output).write_section("audit", report.to_json())
-    for line in report.lines():
-        log.info(line)
-    if not report.passed:
-        raise AuditFailed("\n".join(report.lines()))
-    return report.to_json()
+def _as_document(result: dict) -> dict:
+    """Exactly what would cross the wire: a stage's result means the same everywhere."""
+    return json.loads(json.dumps(result, default=str))

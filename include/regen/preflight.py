@@ -20,14 +20,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from regen.config import RunConfig
+from regen.engines import engine
+from regen.errors import RegenError
+from regen.layout import RunLayout, parse_shard_file
 from regen.paths import DAGS_DIR, PACKAGE_DIR
 from regen.progress import format_bytes
 
 log = logging.getLogger("regen.preflight")
 
 # The modules each stage imports; importing them in a fresh interpreter proves they load.
-ENTRY_POINTS = ("regen.cli", "regen.pipeline", "regen.stage", "regen.servers", "regen.sim",
-                "regen.canary", "regen.generate", "regen.audit", "regen.chat")
+ENTRY_POINTS = ("regen.cli", "regen.pipeline", "regen.remote", "regen.stage", "regen.servers",
+                "regen.engines", "regen.sim", "regen.canary", "regen.client", "regen.dispatch",
+                "regen.store", "regen.generate", "regen.audit", "regen.chat", "regen.export",
+                "regen.progress")
 
 # Runs in the target interpreter: compiles each file, prints one JSON problem per failure.
 _COMPILE_SCRIPT = r"""
@@ -42,21 +47,26 @@ for path in sys.argv[1:]:
         print(json.dumps({"file": path, "line": 0, "msg": f"{type(exc).__name__}: {exc}"}))
 """
 
-SUPPORTED_PARSERS = {
-    "sglang": {"qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "glm45", "kimi", "kimi_k2",
-               "gpt-oss", "step3", "minimax", "minimax-append-think", "nano_v3", "interns1"},
-    "vllm": {"qwen3", "deepseek_r1", "deepseek_v3", "glm45", "granite", "hunyuan_a13b", "mistral",
-             "step3", "gpt_oss", "minimax_m2", "minimax_m2_append_think", "olmo3", "seed_oss"},
-    "sim": {"qwen3", "qwen3-thinking", "deepseek-r1"},
-}
-# SGLang launch options with no vLLM equivalent: a set value would be silently ignored.
-VLLM_IGNORES = ("speculative_eagle_topk", "speculative_num_draft_tokens", "max_mamba_cache_size")
+_IMPORT_SCRIPT = r"""
+import importlib, json, sys
+for module in sys.argv[1:]:
+    try:
+        importlib.import_module(module)
+    except BaseException as exc:
+        print(json.dumps({"module": module, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
+"""
 
-
-class PreflightFailed(RuntimeError):
+class PreflightFailed(RegenError):
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__(f"preflight found {len(problems)} problem(s):\n" + "\n".join(problems))
+
+    def detail(self) -> dict:
+        return {"problems": self.problems}
+
+    @classmethod
+    def from_detail(cls, message: str, detail: dict) -> "PreflightFailed":
+        return cls(list(detail.get("problems") or [message]))
 
 
 @dataclass
@@ -96,12 +106,15 @@ def check_code(python: str = sys.executable, files: list[Path] | None = None,
         return problems  # imports would only repeat the same errors
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_DIR.parent), env.get("PYTHONPATH", "")])
-    for module in entry_points:
-        res = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True,
-                             timeout=120, env=env)
-        if res.returncode != 0:
-            last = (res.stderr.strip().splitlines() or ["(no output)"])[-1]
-            problems.append(f"import {module} fails in {python}: {last}")
+    # Every entry point in one fresh interpreter, each in its own try: one start-up, and a broken
+    # module is named without hiding the others.
+    out = subprocess.run([python, "-c", _IMPORT_SCRIPT, *entry_points], capture_output=True,
+                         text=True, timeout=300, env=env)
+    for line in out.stdout.splitlines():
+        item = json.loads(line)
+        problems.append(f"import {item['module']} fails in {python}: {item['error']}")
+    if out.returncode != 0:
+        problems.append(f"{python}: import check crashed: {out.stderr.strip()[-500:]}")
     return problems
 
 
@@ -188,7 +201,8 @@ def check_model(cfg: RunConfig, report: PreflightReport) -> None:
 
 
 def check_engine(cfg: RunConfig, report: PreflightReport) -> None:
-    parsers = SUPPORTED_PARSERS[cfg.engine]
+    adapter = engine(cfg.engine)
+    parsers = adapter.reasoning_parsers
     if cfg.reasoning_parser and cfg.reasoning_parser not in parsers:
         report.problems.append(
             f"reasoning_parser {cfg.reasoning_parser!r}: engine {cfg.engine} has no such parser "
@@ -196,11 +210,10 @@ def check_engine(cfg: RunConfig, report: PreflightReport) -> None:
     if cfg.enable_thinking and not cfg.reasoning_parser:
         report.problems.append("reasoning_parser: empty while enable_thinking is on; the thinking "
                                "trace would stay inside content")
-    if cfg.engine == "vllm":
-        for name in VLLM_IGNORES:
-            if getattr(cfg, name) is not None:
-                report.problems.append(f"{name}: SGLang option with no vLLM equivalent; unset it "
-                                       f"for engine vllm")
+    for name in adapter.ignored_options:
+        if getattr(cfg, name) is not None:
+            report.problems.append(f"{name}: engine {cfg.engine} has no equivalent option and would "
+                                   f"ignore it; unset it")
     if (cfg.concurrency_per_server and cfg.max_running_requests
             and cfg.concurrency_per_server > cfg.max_running_requests):
         report.problems.append(
@@ -245,10 +258,7 @@ def check_space(cfg: RunConfig, report: PreflightReport) -> None:
 
 def check_output(cfg: RunConfig, report: PreflightReport) -> None:
     """An output made with another shard count would end with ids twice: refuse it."""
-    import re
-
-    counts = {int(m.group(1)) for p in (Path(cfg.output) / "data").glob("shard-*-of-*.parquet")
-              if (m := re.search(r"-of-(\d+)\.parquet$", p.name))}
+    counts = {parse_shard_file(p.name)[1] for p in RunLayout(cfg.output).shard_files()}
     other = sorted(counts - {cfg.num_shards})
     if other:
         report.problems.append(
@@ -256,10 +266,10 @@ def check_output(cfg: RunConfig, report: PreflightReport) -> None:
             f"use num_shards {other[0]} to resume or add to it, or a new output directory")
 
 
-def check_ports(cfg: RunConfig, report: PreflightReport, state_dir: Path) -> None:
+def check_ports(cfg: RunConfig, report: PreflightReport) -> None:
     from regen.servers import is_healthy, port_is_free, read_state, server_slots
 
-    ours = {r.port for r in read_state(state_dir) if is_healthy(r.url)}
+    ours = {r.port for r in read_state(RunLayout(cfg.output)) if is_healthy(r.url)}
     taken = [cfg.base_port + i for i in range(len(server_slots(cfg)))
              if cfg.base_port + i not in ours and not port_is_free(cfg.host, cfg.base_port + i)]
     if taken:
@@ -267,7 +277,7 @@ def check_ports(cfg: RunConfig, report: PreflightReport, state_dir: Path) -> Non
                                f"on {cfg.host} already in use: free them or change base_port")
 
 
-def run_preflight(cfg: RunConfig, state_dir: Path | None = None, code: bool = True) -> PreflightReport:
+def run_preflight(cfg: RunConfig, code: bool = True) -> PreflightReport:
     started = time.monotonic()
     report = PreflightReport()
     if code:
@@ -277,7 +287,20 @@ def run_preflight(cfg: RunConfig, state_dir: Path | None = None, code: bool = Tr
     check_model(cfg, report)
     check_space(cfg, report)
     check_output(cfg, report)
-    check_ports(cfg, report, state_dir or Path(cfg.output) / "work" / "servers")
+    check_ports(cfg, report)
     report.info = {k: v for k, v in report.info.items() if not k.startswith("_")}
     report.seconds = time.monotonic() - started
     return report
+
+
+def preflight(cfg: RunConfig, code: bool = True) -> dict:
+    """The preflight stage: every check, here, with this interpreter; PreflightFailed listing
+    every problem, else the shards to map over."""
+    report = run_preflight(cfg, code=code)
+    if not report.ok:
+        raise PreflightFailed(report.problems)
+    return {"shards": list(range(cfg.num_shards)), "info": report.info,
+            "seconds": round(report.seconds, 2),
+            "summary": f"preflight passed in {report.seconds:.1f} s: "
+                       f"{report.info.get('prompts', 0):,} prompts, {cfg.num_shards} shards, "
+                       f"engine {cfg.engine}"}

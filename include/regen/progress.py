@@ -1,8 +1,8 @@
 """progress.json: done / failed / total, throughput and ETA, per shard and per server.
 
-Each shard (a separate Airflow task, maybe on another worker) writes its own file under
+Each shard (a separate Airflow task, maybe on another worker) writes its own part under
 ``work/progress/``; whoever writes next folds them into ``progress.json``, replaced atomically so a
-reader never sees half a file.
+reader never sees half a file. The canary and the audit add their sections the same way.
 """
 
 from __future__ import annotations
@@ -13,7 +13,12 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from regen.layout import RunLayout
+
+if TYPE_CHECKING:
+    from regen.config import RunConfig
 
 log = logging.getLogger("regen.progress")
 
@@ -59,13 +64,13 @@ def format_bytes(size: float) -> str:
 class RunProgress:
     """The progress files of one output directory."""
 
-    def __init__(self, output: str | Path):
-        self.output = Path(output)
-        self.dir = self.output / "work" / "progress"
-        self.path = self.output / "progress.json"
+    def __init__(self, layout: RunLayout | str | Path):
+        self.layout = layout if isinstance(layout, RunLayout) else RunLayout(layout)
+        self.dir = self.layout.progress_parts
+        self.path = self.layout.progress_file
 
     def write_shard(self, shard: int, data: dict) -> None:
-        self._write(f"shard-{shard:05d}", data)
+        self._write(RunLayout.shard_part(shard), data)
 
     def write_section(self, name: str, data: dict) -> None:
         """A run-level section (canary estimate, audit verdict) kept beside the shards."""
@@ -74,7 +79,7 @@ class RunProgress:
     def _write(self, name: str, data: dict) -> None:
         """Best effort: progress informs, it must never be what fails (or masks) the work."""
         try:
-            atomic_write_json(self.dir / f"{name}.json", {**data, "updated": time.time()})
+            atomic_write_json(self.layout.progress_part(name), {**data, "updated": time.time()})
             self.fold()
         except OSError as exc:
             log.warning("progress not written (%s): %s", self.path, exc.strerror or exc)
@@ -86,7 +91,7 @@ class RunProgress:
                 data = read_json(path)
                 if data is None:
                     continue
-                if path.name.startswith("shard-"):
+                if RunLayout.is_shard_part(path.stem):
                     shards[path.stem] = data
                 else:
                     sections[path.stem] = data
@@ -122,9 +127,31 @@ class RunProgress:
 
     def _append_history(self, summary: dict, every_s: float = 5.0) -> None:
         """One point every few seconds, whoever writes: the run page's throughput chart."""
-        path = self.dir / "history.jsonl"
+        path = self.layout.history
         if path.exists() and time.time() - path.stat().st_mtime < every_s:
             return
         point = {k: summary[k] for k in ("done", "failed", "total", "tokens_per_s")}
         with open(path, "a") as fh:
             fh.write(json.dumps({"t": round(time.time(), 1), **point}) + "\n")
+
+
+HISTORY_POINTS = 2000
+
+
+def run_data(layout: RunLayout) -> dict:
+    """What the run page shows: progress, the throughput history and the audit's summary."""
+    history = []
+    if layout.history.exists():
+        lines = layout.history.read_text().splitlines()[-HISTORY_POINTS:]
+        history = [json.loads(line) for line in lines if line.strip()]
+    return {"output": str(layout.root), "progress": read_json(layout.progress_file) or {},
+            "history": history, "audit": read_json(layout.summary_json)}
+
+
+def progress(cfg: "RunConfig") -> dict:
+    """The progress stage: run_data of the run's output, read where the output lives."""
+    data = run_data(RunLayout(cfg.output))
+    progress_ = data["progress"]
+    data["summary"] = (f"{progress_.get('done', 0):,} of {progress_.get('total', 0):,} done, "
+                       f"{progress_.get('failed', 0):,} failed")
+    return data

@@ -1,9 +1,11 @@
-"""One inference server per GPU: launch, health wait, re-entry and a teardown that leaves nothing.
+"""The serve stage: one inference server per GPU, health wait, re-entry, and a teardown that
+leaves nothing.
 
 Each server runs in its own session (``setsid``), so the whole process tree, SGLang's scheduler
 children included, is signalled as one group and outlives the Airflow task that started it. What
-was started is recorded in ``servers.json`` in the run's state directory; every later task (canary,
-shards, teardown) and every re-run reads it from there.
+was started is recorded in ``servers.json`` (:class:`regen.layout.RunLayout`); every later task
+(canary, shards, teardown) and every re-run reads it from there. The launch command comes from the
+engine's adapter (:mod:`regen.engines`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,13 +26,14 @@ from typing import Sequence
 import httpx
 
 from regen.config import RunConfig
+from regen.engines import engine
+from regen.errors import RegenError
+from regen.layout import RunLayout
 
 log = logging.getLogger("regen.servers")
 
-STATE_FILE = "servers.json"
 
-
-class ServerError(RuntimeError):
+class ServerError(RegenError):
     """A server that could not be started or stopped; the message says which and why."""
 
 
@@ -77,54 +79,8 @@ def server_slots(cfg: RunConfig) -> list[int | None]:
 
 
 def build_command(cfg: RunConfig, model_path: str, port: int, api_key: str | None) -> list[str]:
-    """The launch argv of one server. A list, never a shell string: no value is ever parsed."""
-    python = cfg.engine_python or sys.executable
-    common_flag = lambda flag, value: [flag, str(value)] if value is not None else []  # noqa: E731
-    if cfg.engine == "vllm":
-        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-                "--host", cfg.host, "--port", str(port)]
-        argv += common_flag("--api-key", api_key)
-        argv += common_flag("--reasoning-parser", cfg.reasoning_parser)
-        argv += common_flag("--max-num-seqs", cfg.max_running_requests)
-        argv += common_flag("--gpu-memory-utilization", cfg.mem_fraction_static)
-        argv += common_flag("--max-model-len", cfg.context_length)
-        if cfg.speculative_algorithm:
-            argv += ["--speculative-config", json.dumps(vllm_speculative_config(cfg))]
-        return argv + list(cfg.extra_server_args)
-    if cfg.engine == "sglang":
-        argv = [python, "-m", "sglang.launch_server"]
-    else:
-        argv = [python, "-m", "regen", "sim"]
-    argv += ["--model-path", model_path, "--host", cfg.host, "--port", str(port), "--enable-metrics"]
-    argv += common_flag("--api-key", api_key)
-    argv += common_flag("--reasoning-parser", cfg.reasoning_parser)
-    argv += common_flag("--speculative-algorithm", cfg.speculative_algorithm)
-    argv += common_flag("--speculative-num-steps", cfg.speculative_num_steps)
-    argv += common_flag("--speculative-eagle-topk", cfg.speculative_eagle_topk)
-    argv += common_flag("--speculative-num-draft-tokens", cfg.speculative_num_draft_tokens)
-    argv += common_flag("--mem-fraction-static", cfg.mem_fraction_static)
-    argv += common_flag("--max-running-requests", cfg.max_running_requests)
-    argv += common_flag("--max-mamba-cache-size", cfg.max_mamba_cache_size)
-    argv += common_flag("--context-length", cfg.context_length)
-    if cfg.seed is not None:
-        argv += ["--random-seed", str(cfg.seed)]
-    if cfg.engine == "sim":
-        argv += ["--sim-tokens-per-second", str(cfg.sim_tokens_per_second),
-                 "--sim-ttft", str(cfg.sim_ttft_s),
-                 "--sim-failure-rate", str(cfg.sim_failure_rate),
-                 "--sim-hang-rate", str(cfg.sim_hang_rate)]
-        if cfg.sim_ignore_thinking:
-            argv.append("--sim-ignore-thinking")
-    return argv + list(cfg.extra_server_args)
-
-
-def vllm_speculative_config(cfg: RunConfig) -> dict:
-    method = {"EAGLE": "eagle", "EAGLE3": "eagle3", "NEXTN": "mtp", "NGRAM": "ngram",
-              "STANDALONE": "draft_model"}[cfg.speculative_algorithm]
-    spec: dict = {"method": method}
-    if cfg.speculative_num_steps is not None:
-        spec["num_speculative_tokens"] = cfg.speculative_num_steps
-    return spec
+    """The launch argv of one server, from the engine's adapter. A list, never a shell string."""
+    return engine(cfg.engine).launch_argv(cfg, model_path, port, api_key)
 
 
 def server_env(gpu: int | None) -> dict[str, str]:
@@ -153,15 +109,15 @@ def is_healthy(url: str, timeout: float = 5.0) -> bool:
         return False
 
 
-def read_state(state_dir: Path) -> list[ServerRecord]:
-    path = Path(state_dir) / STATE_FILE
+def read_state(layout: RunLayout) -> list[ServerRecord]:
+    path = layout.servers_state
     if not path.exists():
         return []
     return [ServerRecord(**item) for item in json.loads(path.read_text())["servers"]]
 
 
-def write_state(state_dir: Path, records: Sequence[ServerRecord]) -> None:
-    path = Path(state_dir) / STATE_FILE
+def write_state(layout: RunLayout, records: Sequence[ServerRecord]) -> None:
+    path = layout.servers_state
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds the API key
     with os.fdopen(fd, "w") as fh:
@@ -182,11 +138,12 @@ def log_tail(path: str | Path, lines: int = 20) -> str:
 _children: dict[int, subprocess.Popen] = {}  # reaped by stop_servers when we are the parent
 
 
-def start_servers(cfg: RunConfig, model_path: str, state_dir: str | Path) -> list[ServerRecord]:
+def start_servers(cfg: RunConfig, model_path: str) -> list[ServerRecord]:
     """Start what is not already healthy, wait for all; idempotent, so a re-run reuses servers."""
-    state_dir = Path(state_dir)
+    layout = RunLayout(cfg.output)
+    state_dir = layout.servers
     state_dir.mkdir(parents=True, exist_ok=True)
-    previous = {r.index: r for r in read_state(state_dir)}
+    previous = {r.index: r for r in read_state(layout)}
     slots = server_slots(cfg)
     records: list[ServerRecord] = []
     to_launch: list[tuple[int, int | None, int]] = []
@@ -211,7 +168,7 @@ def start_servers(cfg: RunConfig, model_path: str, state_dir: str | Path) -> lis
     try:
         for index, gpu, port in to_launch:
             argv = build_command(cfg, model_path, port, api_key)
-            log_path = state_dir / f"server-{index}.log"
+            log_path = layout.server_log(index)
             with open(log_path, "ab") as log_fh:
                 proc = subprocess.Popen(argv, stdout=log_fh, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=server_env(gpu),
@@ -222,7 +179,7 @@ def start_servers(cfg: RunConfig, model_path: str, state_dir: str | Path) -> lis
                      f", GPU {gpu}" if gpu is not None else "", log_path)
             launched.append((record, proc))
             records.append(record)
-        write_state(state_dir, sorted(records, key=lambda r: r.index))
+        write_state(layout, sorted(records, key=lambda r: r.index))
         wait_healthy(launched, cfg.startup_timeout_s)
     except BaseException:
         stop_records([r for r, _ in launched])
@@ -342,17 +299,60 @@ def _reap(pid: int) -> None:
         _children.pop(pid, None)
 
 
-def stop_servers(state_dir: str | Path, grace_s: float = 30.0) -> int:
+def stop_servers(layout: RunLayout, grace_s: float = 30.0) -> int:
     """Teardown: stop every recorded server and check that nothing is left. Safe to repeat."""
-    state_dir = Path(state_dir)
-    records = read_state(state_dir)
+    records = read_state(layout)
     if not records:
-        log.info("no servers recorded in %s: nothing to stop", state_dir)
+        log.info("no servers recorded in %s: nothing to stop", layout.servers)
         return 0
     problems = stop_records(records, grace_s)
     if problems:
         raise ServerError("teardown left something behind:\n" + "\n".join(problems))
-    (state_dir / STATE_FILE).unlink(missing_ok=True)
+    layout.servers_state.unlink(missing_ok=True)
     log.info("stopped %d server(s); no process or port left", len(records))
     return len(records)
+
+
+def recorded_endpoints(cfg: RunConfig) -> list[tuple[str, str | None]]:
+    """The servers start_servers recorded for this run; a clear message when there are none."""
+    layout = RunLayout(cfg.output)
+    records = read_state(layout)
+    if not records:
+        raise ServerError(
+            f"no servers recorded in {layout.servers}: start_servers has not run for this output, "
+            f"or stop_servers already ran. Clear the run from start_servers (untick 'only failed'), "
+            f"or start them with `regen serve --config ...`"
+        )
+    return [(r.url, r.api_key) for r in records]
+
+
+# --- the stages ---------------------------------------------------------------------------------
+
+def serve(cfg: RunConfig, served_model_path: str | None = None) -> dict:
+    """The start_servers stage: healthy servers serving ``served_model_path`` (the staged copy)."""
+    records = start_servers(cfg, served_model_path or cfg.model_path)
+    urls = [r.url for r in records]
+    return {"urls": urls, "servers": [_public(r) for r in records],
+            "summary": f"{len(urls)} server(s) healthy: {', '.join(urls)}"}
+
+
+def stop(cfg: RunConfig) -> dict:
+    """The stop_servers stage (teardown)."""
+    stopped = stop_servers(RunLayout(cfg.output))
+    return {"stopped": stopped, "summary": f"stopped {stopped} server(s)"}
+
+
+def logs(cfg: RunConfig, lines: int = 40) -> dict:
+    """The last lines of every recorded server's log."""
+    records = read_state(RunLayout(cfg.output))
+    text = "\n".join(f"==> server {r.index} (port {r.port}, pid {r.pid}): {r.log_path}\n"
+                     f"{log_tail(r.log_path, lines)}" for r in records)
+    return {"servers": len(records), "logs": text,
+            "summary": text or f"no servers recorded in {RunLayout(cfg.output).servers}"}
+
+
+def _public(record: ServerRecord) -> dict:
+    """A record without its API key: what a result document and a log may carry."""
+    return {"index": record.index, "url": record.url, "pid": record.pid, "gpu": record.gpu,
+            "log": record.log_path}
 

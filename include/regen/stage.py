@@ -1,4 +1,5 @@
-"""Staging the model weights to a RAM disk: space-checked, atomic, verified, idempotent.
+"""The stage_weights stage: the model copied to a RAM disk, space-checked, atomic, verified,
+idempotent.
 
 The copy goes to a hidden temporary directory that is renamed into place only once every file is
 copied and verified, so an interrupted copy never passes for a model. A manifest of the source
@@ -19,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from regen.config import RunConfig
+from regen.errors import RegenError
 from regen.progress import format_bytes
 
 log = logging.getLogger("regen.stage")
@@ -28,7 +31,7 @@ SMALL_FILE = 64 * 1024 * 1024  # hashed whole; larger files are checked by size
 SPACE_MARGIN = 1.02
 
 
-class StageError(RuntimeError):
+class StageError(RegenError):
     """Staging could not be done; the message says what and where."""
 
 
@@ -156,3 +159,15 @@ def verify_copy(src: Path, copy: Path, manifest: dict[str, dict]) -> dict[str, s
                 raise StageError(f"staged {rel}: checksum differs from the source")
             checksums[rel] = digest
     return checksums
+
+
+def stage_weights(cfg: RunConfig) -> dict:
+    """The stage: the path the servers load (the staged copy, or the source when staging is off)."""
+    if not cfg.stage_weights:
+        return {"path": cfg.model_path, "copied": False, "bytes": 0, "seconds": 0.0,
+                "summary": f"staging off: the servers load {cfg.model_path}"}
+    result = stage_model(cfg.model_path, cfg.staging_dir)
+    what = (f"staged {format_bytes(result.bytes)} in {result.seconds:.1f} s" if result.copied
+            else "already staged")
+    return {"path": str(result.path), "copied": result.copied, "bytes": result.bytes,
+            "seconds": round(result.seconds, 3), "summary": f"{what}: {result.path}"}

@@ -9,13 +9,8 @@ token (the UI's cookie, or a Bearer header) is checked by the deployment's auth 
 
 # No `from __future__ import annotations` here: FastAPI must see the real dependency types of
 # the routes, which are defined inside create_app.
-import json
-from pathlib import Path
-
 from regen.config import RunConfig
-from regen.progress import read_json
-
-HISTORY_POINTS = 2000
+from regen.layout import RunLayout
 
 
 def run_config(conf: "dict | None") -> RunConfig:
@@ -24,25 +19,15 @@ def run_config(conf: "dict | None") -> RunConfig:
                                   source="run conf")
 
 
-def run_data(output: Path) -> dict:
-    progress = read_json(output / "progress.json") or {}
-    history = []
-    path = output / "work" / "progress" / "history.jsonl"
-    if path.exists():
-        lines = path.read_text().splitlines()[-HISTORY_POINTS:]
-        history = [json.loads(line) for line in lines if line.strip()]
-    return {"output": str(output), "progress": progress, "history": history,
-            "audit": read_json(output / "audit" / "summary.json")}
-
-
 def config_data(cfg: RunConfig) -> dict:
-    """run_data of the run's output, read where it lives: over SSH for a run on an SSH node."""
-    if not cfg.ssh_conn_id:
-        return run_data(Path(cfg.output))
-    from regen.remote import run_regen
+    """The progress stage's document, read where the run's output lives (over SSH for a run on
+    an SSH node)."""
+    from regen.pipeline import run
+    from regen.progress import progress
 
-    data = json.loads(run_regen(cfg, "progress").lines[-1])
-    data["output"] = f"{cfg.ssh_conn_id}:{data['output']}"
+    data = run(progress, cfg)
+    if cfg.ssh_conn_id:
+        data["output"] = f"{cfg.ssh_conn_id}:{data['output']}"
     return data
 
 
@@ -79,7 +64,7 @@ def create_app():
         cfg = config_of(dag_id, run_id, session)
         if cfg.ssh_conn_id:
             raise HTTPException(404, f"the report is on {cfg.ssh_conn_id}: {cfg.output}/audit/report.html")
-        path = Path(cfg.output) / "audit" / "report.html"
+        path = RunLayout(cfg.output).report_html
         if not path.exists():
             raise HTTPException(404, "the audit has not run yet")
         return FileResponse(path, media_type="text/html")

@@ -1,0 +1,231 @@
+"""The HTTP client of generation: one chat completion per request, with retries.
+
+Transport errors, 5xx and 429 are retried with backoff on another server (:mod:`regen.dispatch`
+picks it); a 4xx becomes an error row at once. Each finished row goes to a sink (the shard's
+journal, or the canary's list).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import httpx
+
+from regen.config import RunConfig
+from regen.dispatch import ClientTuning, Endpoint, ServerPool
+
+log = logging.getLogger("regen.client")
+
+
+def _is_retryable_status(status: int) -> bool:
+    return status in (408, 429) or status >= 500
+
+
+def _error_text(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+        if isinstance(body, dict):
+            err = body.get("error", body)
+            if isinstance(err, dict):
+                return str(err.get("message") or err)[:300]
+            return str(err)[:300]
+    except ValueError:
+        pass
+    return response.text[:300]
+
+
+@dataclass
+class Request:
+    """One chat completion to make: an id, the messages, and what to stamp on its row."""
+
+    id: str
+    messages: list[dict]
+    stamp: dict[str, Any] = field(default_factory=dict)
+
+
+class Generator:
+    """Sends requests through a ServerPool and hands each finished row to ``sink``."""
+
+    def __init__(self, pool: ServerPool, cfg: RunConfig, tuning: ClientTuning,
+                 sink: Callable[[dict], None]):
+        self.pool = pool
+        self.cfg = cfg
+        self.tuning = tuning
+        self.sink = sink
+        self.done = 0
+        self.failed = 0
+        self.tokens = 0
+        self.recent: deque[tuple[float, int]] = deque()
+        self.sampling = cfg.sampling()
+
+    def payload(self, endpoint: Endpoint, request: Request) -> dict[str, Any]:
+        s = self.sampling
+        body: dict[str, Any] = {
+            "model": endpoint.model or "default",
+            "messages": request.messages,
+            "max_tokens": s["max_tokens"],
+            "temperature": s["temperature"],
+            "top_p": s["top_p"],
+            "chat_template_kwargs": {"enable_thinking": s["enable_thinking"]},
+            "separate_reasoning": True,
+            "stream": False,
+        }
+        if s["top_k"] is not None:
+            body["top_k"] = s["top_k"]
+        if s["seed"] is not None:
+            body["seed"] = s["seed"]
+        return body
+
+    async def run_one(self, request: Request) -> dict:
+        last_error = "not attempted"
+        endpoint: Endpoint | None = None
+        started = time.monotonic()
+        retry = True
+        attempt = 0
+        for attempt in range(1, self.cfg.max_attempts + 1):
+            endpoint, ticket = await self.pool.acquire(avoid=endpoint)
+            sent = time.monotonic()
+            retry, latency = True, None
+            try:
+                response = await endpoint.client.post(
+                    f"{endpoint.url}/v1/chat/completions", json=self.payload(endpoint, request),
+                    headers=endpoint.headers,
+                )
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                last_error = f"{type(exc).__name__}: {exc or 'connection failed'}"
+                self.pool.record_failure(endpoint, last_error, fatal=True)
+            except httpx.TransportError as exc:
+                last_error = f"{type(exc).__name__}: {exc or 'transport error'}"
+                self.pool.record_failure(endpoint, last_error)
+            else:
+                if response.status_code == 200:
+                    try:
+                        row = self.parse(request, endpoint, response.json(), attempt, started)
+                    except (ValueError, KeyError, IndexError, TypeError) as exc:
+                        last_error = f"unreadable response: {exc}"
+                    else:
+                        self.pool.record_success(endpoint)
+                        latency = time.monotonic() - sent
+                        endpoint.done += 1
+                        endpoint.tokens += row["completion_tokens"] or 0
+                        return row
+                elif _is_retryable_status(response.status_code):
+                    last_error = f"HTTP {response.status_code}: {_error_text(response)}"
+                    self.pool.record_failure(endpoint, last_error)
+                else:
+                    last_error = f"HTTP {response.status_code}: {_error_text(response)}"
+                    retry = False
+            finally:
+                await self.pool.release(endpoint, ticket, latency)
+            if not retry:
+                break
+            if attempt < self.cfg.max_attempts:
+                cap = min(self.tuning.retry_backoff_max_s, self.tuning.retry_backoff_s * 2 ** (attempt - 1))
+                await asyncio.sleep(random.uniform(0, cap))
+        endpoint.failed += 1
+        return self.error_row(request, endpoint, last_error, attempt, started, retryable=retry)
+
+    def parse(self, request: Request, endpoint: Endpoint, body: dict, attempt: int,
+              started: float) -> dict:
+        choice = body["choices"][0]
+        message = choice["message"]
+        usage = body.get("usage") or {}
+        return {
+            "id": request.id,
+            "messages": request.messages,
+            "reasoning_content": endpoint.engine.reasoning(message),
+            "content": message.get("content") or "",
+            "finish_reason": choice.get("finish_reason"),
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "completion_tokens": usage.get("completion_tokens"),
+            "error": None,
+            "enable_thinking": self.sampling["enable_thinking"],
+            "model": body.get("model") or endpoint.model,
+            "server": endpoint.url,
+            "attempts": attempt,
+            "latency_s": round(time.monotonic() - started, 3),
+            **request.stamp,
+        }
+
+    def error_row(self, request: Request, endpoint: Endpoint, error: str, attempts: int,
+                  started: float, retryable: bool) -> dict:
+        return {
+            "id": request.id, "messages": request.messages, "reasoning_content": None,
+            "content": None, "finish_reason": None, "prompt_tokens": None,
+            "completion_tokens": None, "error": error,
+            "enable_thinking": self.sampling["enable_thinking"], "model": endpoint.model,
+            "server": endpoint.url, "attempts": attempts,
+            "latency_s": round(time.monotonic() - started, 3),
+            **request.stamp,
+            "retryable": retryable,
+        }
+
+    async def worker(self, queue: asyncio.Queue, feed: "_Feed") -> None:
+        while True:
+            request = await queue.get()
+            if request is None:
+                return
+            feed.queued -= 1
+            if feed.done and feed.queued == 0:
+                self.pool.draining = True
+            row = await self.run_one(request)
+            if row["error"] is None:
+                self.done += 1
+                self.tokens += row["completion_tokens"] or 0
+                self.recent.append((time.monotonic(), row["completion_tokens"] or 0))
+            else:
+                self.failed += 1
+            self.sink(row)
+
+    def rates(self, window: float = 60.0) -> tuple[float, float]:
+        """(rows/s, output tokens/s) over the last ``window`` seconds."""
+        now = time.monotonic()
+        while self.recent and self.recent[0][0] < now - window:
+            self.recent.popleft()
+        if not self.recent:
+            return 0.0, 0.0
+        span = max(now - self.recent[0][0], 1.0)
+        return len(self.recent) / span, sum(n for _, n in self.recent) / span
+
+    async def run(self, requests: Iterable[Request]) -> None:
+        capacity = max(1, self.pool.capacity)
+        queue: asyncio.Queue = asyncio.Queue(maxsize=capacity * 2)
+        feed = _Feed()
+        workers = [asyncio.create_task(self.worker(queue, feed)) for _ in range(capacity)]
+        feeder = asyncio.create_task(feed.run(queue, requests, len(workers)))
+        tasks = [*workers, feeder]
+        try:
+            pending = set(tasks)
+            while pending:
+                finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+                for task in finished:
+                    if task.exception() is not None:
+                        raise task.exception()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Feed:
+    """Puts the requests on the queue, counting what waits there, then one stop per worker."""
+
+    def __init__(self) -> None:
+        self.queued = 0
+        self.done = False
+
+    async def run(self, queue: asyncio.Queue, requests: Iterable[Request], workers: int) -> None:
+        for count, request in enumerate(requests):
+            self.queued += 1
+            await queue.put(request)
+            if count % 256 == 0:
+                await asyncio.sleep(0)
+        self.done = True
+        for _ in range(workers):
+            await queue.put(None)

@@ -1,0 +1,270 @@
+"""The servers as the client sees them: discovery, per-server limits, dispatch, health probing.
+
+A request goes to the server with the fewest outstanding requests (relative to its limit), so a
+slow server gets less work; at the tail each last request goes where it is expected to finish
+first. A server that keeps failing leaves the rotation and is probed until it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from regen.config import RunConfig
+from regen.engines import Engine, engine, engine_of_server
+from regen.errors import RegenError
+
+log = logging.getLogger("regen.dispatch")
+
+
+class ShardFailed(RegenError):
+    """The shard cannot finish now; what it finished is kept and a rerun resumes from it."""
+
+
+class AllServersDown(ShardFailed):
+    pass
+
+
+@dataclass(frozen=True)
+class ClientTuning:
+    """How the client paces itself. Not part of a run's config: tests shorten the waits."""
+
+    retry_backoff_s: float = 0.5
+    retry_backoff_max_s: float = 30.0
+    failures_before_down: int = 3
+    probe_interval_s: float = 2.0
+    all_down_timeout_s: float = 60.0
+    progress_interval_s: float = 5.0
+    default_concurrency: int = 32  # per server, when neither the config nor the server says
+
+
+@dataclass
+class Endpoint:
+    url: str
+    api_key: str | None = None
+    engine: Engine | None = None
+    limit: int = 1
+    model: str | None = None
+    info: dict = field(default_factory=dict)
+    in_flight: int = 0
+    healthy: bool = True
+    consecutive_failures: int = 0
+    done: int = 0
+    failed: int = 0
+    tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    # One connection pool per server: httpx scans its whole pool on every request, so a shared
+    # pool over many servers' connections costs more CPU than the requests themselves.
+    client: httpx.AsyncClient | None = field(default=None, repr=False)
+    latency_s: float | None = None  # moving average of a successful request's latency
+    starts: dict[int, float] = field(default_factory=dict)  # in flight: ticket -> start time
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def report(self) -> dict:
+        return {"done": self.done, "failed": self.failed, "in_flight": self.in_flight,
+                "healthy": self.healthy, "limit": self.limit, "metrics": self.metrics}
+
+
+class ServerPool:
+    """Dispatch within per-server limits, and health probing of dropped servers.
+
+    While prompts are waiting, a request goes to the server with the fewest outstanding requests
+    (every slot stays busy, so each server takes work at the rate it finishes it). Once the shard
+    drains, each last request goes where it is expected to *finish* first, waiting for a fast
+    server's slot rather than starting on a slow one: the tail is what separates a shard's
+    makespan from the ideal.
+    """
+
+    def __init__(self, endpoints: list[Endpoint], tuning: ClientTuning):
+        self.endpoints = endpoints
+        self.tuning = tuning
+        self.cond = asyncio.Condition()
+        self.draining = False
+        self._tickets = 0
+        self._down_since: float | None = None
+        self._probes: set[asyncio.Task] = set()
+        for endpoint in endpoints:
+            if not endpoint.healthy:
+                self._start_probe(endpoint)
+
+    @property
+    def capacity(self) -> int:
+        return sum(e.limit for e in self.endpoints)
+
+    async def acquire(self, avoid: Endpoint | None = None) -> tuple[Endpoint, int]:
+        async with self.cond:
+            while True:
+                healthy = [e for e in self.endpoints if e.healthy]
+                if len(healthy) > 1 and avoid in healthy:
+                    healthy.remove(avoid)  # a retry goes to another server where there is one
+                free = [e for e in healthy if e.in_flight < e.limit]
+                wait = 1.0
+                if free:
+                    self._down_since = None
+                    pick, wait = self._choose(healthy, free)
+                    if pick is not None:
+                        self._tickets += 1
+                        pick.in_flight += 1
+                        pick.starts[self._tickets] = time.monotonic()
+                        return pick, self._tickets
+                elif not healthy:
+                    now = time.monotonic()
+                    self._down_since = self._down_since or now
+                    if now - self._down_since > self.tuning.all_down_timeout_s:
+                        raise AllServersDown(
+                            f"every server is down ({', '.join(e.url for e in self.endpoints)}) "
+                            f"for {self.tuning.all_down_timeout_s:.0f} s; finished rows are kept: "
+                            f"restart the servers (clear start_servers) and rerun the shard"
+                        )
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.cond.wait(), timeout=wait)
+
+    def _choose(self, healthy: list[Endpoint], free: list[Endpoint]) -> tuple[Endpoint | None, float]:
+        """(server to use now, or None to wait; how long to wait at most)."""
+        least_outstanding = min(free, key=lambda e: e.in_flight / e.limit)
+        if not self.draining or any(e.latency_s is None for e in healthy):
+            return least_outstanding, 0.0
+        now = time.monotonic()
+
+        def next_free(e: Endpoint) -> float:
+            if e.in_flight < e.limit:
+                return now
+            return max(now, min(e.starts.values()) + e.latency_s)
+
+        best = min(healthy, key=lambda e: next_free(e) + e.latency_s)
+        if best.in_flight < best.limit:
+            return best, 0.0
+        return None, max(0.005, next_free(best) - now)
+
+    async def release(self, endpoint: Endpoint, ticket: int, latency_s: float | None = None) -> None:
+        async with self.cond:
+            endpoint.in_flight -= 1
+            endpoint.starts.pop(ticket, None)
+            if latency_s is not None:
+                endpoint.latency_s = latency_s if endpoint.latency_s is None else (
+                    0.8 * endpoint.latency_s + 0.2 * latency_s)
+            self.cond.notify_all()
+
+    def record_success(self, endpoint: Endpoint) -> None:
+        endpoint.consecutive_failures = 0
+
+    def record_failure(self, endpoint: Endpoint, reason: str, fatal: bool = False) -> None:
+        endpoint.consecutive_failures += 1
+        if endpoint.healthy and (fatal or endpoint.consecutive_failures >= self.tuning.failures_before_down):
+            endpoint.healthy = False
+            log.warning("server %s out of rotation (%s); probing until it is back", endpoint.url, reason)
+            self._start_probe(endpoint)
+
+    def _start_probe(self, endpoint: Endpoint) -> None:
+        task = asyncio.create_task(self._probe(endpoint))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, endpoint: Endpoint) -> None:
+        while True:
+            await asyncio.sleep(self.tuning.probe_interval_s)
+            try:
+                response = await endpoint.client.get(f"{endpoint.url}/health", timeout=5.0)
+            except httpx.HTTPError:
+                continue
+            if response.status_code == 200:
+                async with self.cond:
+                    endpoint.healthy = True
+                    endpoint.consecutive_failures = 0
+                    self.cond.notify_all()
+                log.info("server %s is back in rotation", endpoint.url)
+                return
+
+    def close(self) -> None:
+        for task in self._probes:
+            task.cancel()
+
+
+def _timeout(cfg: RunConfig) -> httpx.Timeout:
+    return httpx.Timeout(connect=10.0, read=cfg.request_timeout_s, write=60.0, pool=None)
+
+
+async def discover(url: str, api_key: str | None, cfg: RunConfig, tuning: ClientTuning) -> Endpoint:
+    """The served model, the engine behind it and how many requests it runs at once."""
+    endpoint = Endpoint(url=url.rstrip("/"), api_key=api_key, engine=engine(cfg.engine))
+    endpoint.client = httpx.AsyncClient(timeout=_timeout(cfg))
+    try:
+        models = await endpoint.client.get(f"{endpoint.url}/v1/models", headers=endpoint.headers,
+                                           timeout=10)
+        models.raise_for_status()
+        doc = models.json()
+        endpoint.model = doc["data"][0]["id"]
+        endpoint.engine = engine_of_server(doc, cfg.engine)
+    except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError) as exc:
+        endpoint.healthy = False
+        log.warning("server %s not answering /v1/models (%s); probing until it is back", url, exc)
+    if endpoint.healthy:
+        endpoint.info = await _server_info(endpoint)
+    reported = endpoint.engine.effective_limit(endpoint.info, None)
+    limit = cfg.concurrency_per_server or reported or tuning.default_concurrency
+    endpoint.limit = max(1, min(limit, reported) if reported else limit)
+    return endpoint
+
+
+async def _server_info(endpoint: Endpoint) -> dict:
+    for path in endpoint.engine.info_paths:
+        try:
+            response = await endpoint.client.get(f"{endpoint.url}{path}", headers=endpoint.headers,
+                                                 timeout=10)
+            if response.status_code == 200:
+                info = response.json()
+                if isinstance(info, dict):
+                    return info
+        except (httpx.HTTPError, ValueError):
+            continue
+    return {}
+
+
+@contextlib.asynccontextmanager
+async def open_endpoints(endpoints: list[tuple[str, str | None]], cfg: RunConfig, tuning: ClientTuning):
+    """Discovered endpoints with their own connection pools, closed on the way out."""
+    eps: list[Endpoint] = []
+    try:
+        for url, key in endpoints:
+            eps.append(await discover(url, key, cfg, tuning))
+        if not any(e.healthy for e in eps):
+            raise AllServersDown(
+                f"no server answers ({', '.join(e.url for e in eps)}): start them first "
+                f"(clear start_servers too, or run `regen serve`) and rerun the shard"
+            )
+        yield eps
+    finally:
+        for endpoint in eps:
+            await endpoint.client.aclose()
+
+
+async def scrape_metrics(endpoint: Endpoint) -> None:
+    """The few gauges worth a glance (running, queued, throughput, accept length), read with
+    prometheus_client's parser and named by the endpoint's engine."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        response = await endpoint.client.get(f"{endpoint.url}/metrics", timeout=3.0)
+    except httpx.HTTPError:
+        return
+    if response.status_code != 200:
+        return
+    metrics: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(response.text):
+            for sample in family.samples:
+                name = endpoint.engine.metric(sample.name)
+                if name is not None:
+                    metrics[name] = metrics.get(name, 0.0) + float(sample.value)
+    except ValueError as exc:
+        log.debug("unreadable /metrics from %s: %s", endpoint.url, exc)
+        return
+    endpoint.metrics = metrics

@@ -1,0 +1,56 @@
+"""What every engine adapter answers. Adapters are stateless; they read a RunConfig."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, ClassVar
+
+from regen.config import RunConfig
+
+
+def flag(name: str, value: Any) -> list[str]:
+    return [name, str(value)] if value is not None else []
+
+
+class Engine:
+    name: ClassVar[str]
+    # `--reasoning-parser` values the engine knows.
+    reasoning_parsers: ClassVar[frozenset[str]]
+    # RunConfig fields the engine has no equivalent for: a set value would be silently ignored.
+    ignored_options: ClassVar[tuple[str, ...]] = ()
+    # Where the message of a chat completion carries the thinking trace, first found wins.
+    reasoning_fields: ClassVar[tuple[str, ...]] = ("reasoning_content",)
+    # Server-info endpoints, newest first.
+    info_paths: ClassVar[tuple[str, ...]] = ()
+    # Prometheus metric name (without the engine's prefix) -> regen's name for it.
+    metric_names: ClassVar[dict[str, str]] = {}
+    metric_prefix: ClassVar[str] = ""
+
+    def python(self, cfg: RunConfig) -> str:
+        return cfg.engine_python or sys.executable
+
+    def launch_argv(self, cfg: RunConfig, model_path: str, port: int, api_key: str | None) -> list[str]:
+        raise NotImplementedError
+
+    def effective_limit(self, info: dict, launch_limit: int | None) -> int | None:
+        """How many requests the server really runs at once, from its server info; never above
+        what it was launched with."""
+        return launch_limit
+
+    def served_model_path(self, info: dict) -> str | None:
+        """The model directory the server says it loaded (to check it serves what we staged)."""
+        return None
+
+    def reasoning(self, message: dict) -> str | None:
+        for name in self.reasoning_fields:
+            value = message.get(name)
+            if value is not None:
+                return value
+        return None
+
+    def metric(self, name: str) -> str | None:
+        """regen's name for a scraped metric, or None when it is not one regen shows."""
+        prefix, _, base = name.partition(":")
+        if not base or prefix != self.metric_prefix:
+            return None
+        return self.metric_names.get(base)

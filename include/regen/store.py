@@ -1,0 +1,182 @@
+"""Where a shard's rows live: the journal while it runs, its Parquet file once it is complete.
+
+Each finished row is appended to the shard's journal and flushed at once; a rerun (after a crash,
+a SIGKILL, an Airflow retry or a clear) reads the journal back. When the shard completes, its
+Parquet file is written beside the journal and renamed into ``data/``, so ``data/`` never holds
+half a file. A per-shard lock refuses a second generator on the same shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from regen.dispatch import ShardFailed
+from regen.layout import RunLayout, shard_name
+
+log = logging.getLogger("regen.store")
+
+ROW_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("reasoning_content", pa.string()),
+    ("content", pa.string()),
+    ("finish_reason", pa.string()),
+    ("prompt_tokens", pa.int64()),
+    ("completion_tokens", pa.int64()),
+    ("error", pa.string()),
+    ("enable_thinking", pa.bool_()),
+    ("model", pa.string()),
+    ("server", pa.string()),
+    ("attempts", pa.int32()),
+    ("latency_s", pa.float64()),
+    ("settings_hash", pa.string()),
+])
+
+
+class Journal:
+    """Append-only JSONL of finished rows; the last row of an id wins."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._repair()
+        self._fh = open(path, "ab")
+
+    def _repair(self) -> None:
+        """Drop a line cut short by a kill, so the next append starts on a fresh line."""
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return
+        with open(self.path, "rb+") as fh:
+            fh.seek(-1, os.SEEK_END)
+            if fh.read(1) == b"\n":
+                return
+            fh.seek(0)
+            data = fh.read()
+            fh.truncate(data.rfind(b"\n") + 1)
+
+    def append(self, row: dict) -> None:
+        self._fh.write(json.dumps(row, ensure_ascii=False).encode() + b"\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        try:
+            self._fh.close()
+        except OSError as exc:  # the disk filled: the append already failed the shard
+            log.warning("journal %s: %s on close; a cut last line is dropped on resume",
+                        self.path, exc.strerror or exc)
+
+    @staticmethod
+    def rows(path: Path) -> Iterator[dict]:
+        if not path.exists():
+            return
+        with open(path, "rb") as fh:
+            for raw in fh:
+                try:
+                    yield json.loads(raw)
+                except json.JSONDecodeError:
+                    continue
+
+
+class ShardStore:
+    """The files of one shard of one output directory."""
+
+    def __init__(self, layout: RunLayout, shard: int, num_shards: int):
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"shard {shard} is not in 0..{num_shards - 1}")
+        self.layout, self.shard, self.num_shards = layout, shard, num_shards
+        self.name = shard_name(shard, num_shards)
+        self.final = layout.shard_file(shard, num_shards)
+        self.journal_path = layout.journal(shard, num_shards)
+        self.errors_path = layout.errors(shard, num_shards)
+
+    @contextlib.contextmanager
+    def lock(self):
+        """One generator per shard: a retry that starts while an old attempt still runs (a worker
+        that lost its heartbeat, a remote job outliving its task) must not write the same journal."""
+        import fcntl
+
+        path = self.layout.shard_lock(self.shard, self.num_shards)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a+") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fh.seek(0)
+                holder = fh.read().strip() or "another process"
+                raise ShardFailed(f"{self.name} is being generated right now by {holder} ({path}); "
+                                  f"retry once it has stopped") from None
+            fh.seek(0)
+            fh.truncate()
+            fh.write(f"pid {os.getpid()} on {os.uname().nodename}")
+            fh.flush()
+            yield
+
+    def settled_ids(self) -> set[str]:
+        """Ids that need no new request: a good row, or an error no retry can fix (a 4xx)."""
+        settled: set[str] = set()
+        for row in Journal.rows(self.journal_path):
+            if row.get("error") is None or not row.get("retryable", False):
+                settled.add(row["id"])
+            else:
+                settled.discard(row["id"])
+        return settled
+
+    def reusable_ids(self, settings_hash: str) -> set[str]:
+        """Ids of the existing shard file whose row is good and was made with the same model and
+        settings: an incremental run does not send them again."""
+        if not self.final.exists():
+            return set()
+        table = pq.read_table(self.final, columns=["id", "error", "settings_hash"])
+        return {i for i, e, h in zip(table["id"].to_pylist(), table["error"].to_pylist(),
+                                     table["settings_hash"].to_pylist())
+                if e is None and h == settings_hash}
+
+    def _rows(self) -> Iterator[dict]:
+        """The shard's existing rows, then the journal's: later rows win."""
+        if self.final.exists():
+            for batch in pq.ParquetFile(self.final).iter_batches(batch_size=1000):
+                yield from batch.to_pylist()
+        yield from Journal.rows(self.journal_path)
+
+    def publish(self, ids: set[str], batch_rows: int = 1000) -> int:
+        """The last row of each current prompt id, streamed in batches into a file beside the
+        journal, then renamed over the shard's file; the journal goes. Returns the row count."""
+        last: dict[str, int] = {}
+        for index, row in enumerate(self._rows()):
+            if row["id"] in ids:
+                last[row["id"]] = index
+        keep = set(last.values())
+        tmp = self.journal_path.with_suffix(".parquet.tmp")
+        count = 0
+        try:
+            with pq.ParquetWriter(tmp, ROW_SCHEMA, compression="zstd") as writer:
+                batch: list[dict] = []
+                for index, row in enumerate(self._rows()):
+                    if index not in keep:
+                        continue
+                    row.pop("retryable", None)
+                    batch.append(row)
+                    if len(batch) >= batch_rows:
+                        writer.write_table(pa.Table.from_pylist(batch, schema=ROW_SCHEMA))
+                        count += len(batch)
+                        batch = []
+                if batch:
+                    writer.write_table(pa.Table.from_pylist(batch, schema=ROW_SCHEMA))
+                    count += len(batch)
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+            self.final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, self.final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self.journal_path.unlink(missing_ok=True)
+        return count
