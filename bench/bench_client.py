@@ -47,7 +47,7 @@ def start_sims(model: Path, servers: dict[int, list[str]]) -> tuple[list[subproc
         argv = [sys.executable, "-m", "regen", "sim", "--port", str(port), "--model-path", str(model),
                 *flags]
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        launched.append((ServerRecord(0, None, "127.0.0.1", port, proc.pid, "/dev/null", argv, None), proc))
+        launched.append((ServerRecord(0, None, "127.0.0.1", port, proc.pid, "/dev/null", None), proc))
     wait_healthy(launched, 60)
     return [proc for _, proc in launched], [record.url for record, _ in launched]
 

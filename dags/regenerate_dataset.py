@@ -51,11 +51,20 @@ def _run(stage, params, **kwargs) -> dict:
     return run(stage, _config(params), **kwargs)
 
 
+def _run_id() -> str:
+    """Who owns what a run starts (its servers): this DAG run, whoever clears or retries it."""
+    context = get_current_context()
+    return f"{context['dag'].dag_id}/{context['run_id']}"
+
+
 @task(retries=0)
 def preflight(params=None) -> list[int]:
+    from airflow.configuration import conf
+
     from regen.preflight import preflight
 
-    return _run(preflight, params)["shards"]
+    return _run(preflight, params, run_id=_run_id(),
+                max_map_length=conf.getint("core", "max_map_length"))["shards"]
 
 
 @task(retries=1, retry_delay=timedelta(seconds=10))
@@ -69,7 +78,7 @@ def stage_weights(params=None) -> str:
 def start_servers(served_model_path: str, params=None) -> list[str]:
     from regen.servers import serve
 
-    return _run(serve, params, served_model_path=served_model_path)["urls"]
+    return _run(serve, params, served_model_path=served_model_path, run_id=_run_id())["urls"]
 
 
 @task(retries=0)
@@ -85,7 +94,7 @@ def generate(shard: int, params=None) -> str:
     from regen.generate import generate
 
     get_current_context()["shard_label"] = f"shard {shard}/{params['num_shards']}"
-    return _run(generate, params, shard=shard)["summary"]
+    return _run(generate, params, shard=shard, strict_index=True)["summary"]
 
 
 @task(retries=0, outlets=[DATASET])
@@ -105,7 +114,7 @@ def audit(params=None) -> dict:
 def stop_servers(params=None) -> int:
     from regen.servers import stop
 
-    return _run(stop, params)["stopped"]
+    return _run(stop, params, run_id=_run_id())["stopped"]
 
 
 @dag(

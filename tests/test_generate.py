@@ -222,16 +222,15 @@ def test_a_rerun_reuses_good_rows_and_a_settings_change_regenerates(sim_servers,
     assert len(df) == 50 and df["id"].is_unique and df["settings_hash"].nunique() == 1
 
 
-def test_without_a_known_model_existing_rows_are_regenerated_not_reused(sim_servers, tmp_path):
+def test_without_a_model_directory_the_servers_say_what_model_the_rows_come_from(sim_servers, tmp_path):
     cfg, records = sim_servers(num_servers=1)
     prompts = subset(tmp_path, 20)
-    generate_shard(prompts, tmp_path / "ds", endpoints(records), identity="m1")
-    unknown = generate_shard(prompts, tmp_path / "ds", endpoints(records))
-    assert unknown.done == 20 and unknown.skipped == 0
+    first = generate_shard(prompts, tmp_path / "ds", endpoints(records))  # identity: what they report
+    assert first.done == 20
+    again = generate_shard(prompts, tmp_path / "ds", endpoints(records))
+    assert (again.done, again.skipped) == (0, 20)  # the same servers: nothing resent
     known = generate_shard(prompts, tmp_path / "ds", endpoints(records), identity="m1")
-    assert known.done == 20  # the rows now carry the unknown model's hash: regenerated again
-    again = generate_shard(prompts, tmp_path / "ds", endpoints(records), identity="m1")
-    assert again.skipped == 20 and again.done == 0
+    assert known.done == 20  # a model named otherwise is another model: regenerated
 
 
 def test_unreadable_records_are_listed_with_file_and_line_and_the_shard_goes_on(sim_servers, tmp_path):

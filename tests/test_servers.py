@@ -12,8 +12,9 @@ import pytest
 
 from conftest import processes_with_args
 from regen.layout import RunLayout
-from regen.servers import (ServerError, ServerRecord, build_command, port_is_free,
-                           session_pids, start_servers, stop_records, stop_servers)
+from regen.procs import session_pids
+from regen.servers import (ServerError, ServerRecord, build_command, port_is_free, start_servers,
+                           stop_records, stop_servers)
 
 
 def test_start_health_and_stop_leave_no_process_or_port(make_config):
@@ -24,11 +25,11 @@ def test_start_health_and_stop_leave_no_process_or_port(make_config):
     layout = RunLayout(cfg.output)
     assert all(layout.server_log(r.index).exists() for r in records)
     assert oct(layout.servers_state.stat().st_mode & 0o777) == "0o600"  # API key
-    assert stop_servers(layout) == 2
+    assert stop_servers(layout)[0] == 2
     for r in records:
         assert session_pids(r.pid) == []
         assert port_is_free(cfg.host, r.port)
-    assert stop_servers(layout) == 0  # a second teardown is harmless
+    assert stop_servers(layout)[0] == 0  # a second teardown is harmless
 
 
 def test_start_is_idempotent_and_reuses_healthy_servers(sim_servers):
@@ -78,7 +79,7 @@ def test_teardown_escalates_to_sigkill_for_a_server_that_ignores_sigterm(tmp_pat
                              "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
                              "time.sleep(600)"], start_new_session=True, stdout=subprocess.PIPE)
     assert proc.stdout.readline() == b"up\n"
-    record = ServerRecord(0, None, "127.0.0.1", 1, proc.pid, "/dev/null", [], None)
+    record = ServerRecord(0, None, "127.0.0.1", 1, proc.pid, "/dev/null", None)
     started = time.monotonic()
     assert stop_records([record], grace_s=1) == []
     assert 1 <= time.monotonic() - started < 10
@@ -91,7 +92,7 @@ def test_a_model_path_with_shell_metacharacters_runs_no_command(make_config, tin
     cfg = make_config(num_servers=1, model_path=str(evil))
     records = start_servers(cfg, cfg.model_path)
     try:
-        assert records[0].argv[records[0].argv.index("--model-path") + 1] == str(evil)
+        assert records[0].launch[records[0].launch.index("--model-path") + 1] == str(evil)
     finally:
         stop_servers(RunLayout(cfg.output))
     assert not list(tmp_path.rglob("PWNED*"))

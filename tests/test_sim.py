@@ -24,7 +24,7 @@ def sim(tiny_model):
         argv = [str(BIN / "regen"), "sim", "--port", str(port), "--model-path", str(tiny_model), *flags]
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(proc)
-        record = ServerRecord(0, None, "127.0.0.1", port, proc.pid, "/dev/null", argv, None)
+        record = ServerRecord(0, None, "127.0.0.1", port, proc.pid, "/dev/null", None)
         wait_healthy([(record, proc)], timeout_s=30)
         return f"http://127.0.0.1:{port}"
 

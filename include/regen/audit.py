@@ -9,8 +9,6 @@ self-contained ``report.html`` with histograms.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import logging
 import multiprocessing
@@ -41,7 +39,11 @@ FINDINGS = (
     "truncated_in_thinking",  # cut off before </think>: no answer at all
     "empty_answer",        # nothing after the reasoning
     "think_markers_in_content",  # <think> or </think> leaked into the answer
+    "stale_prompt",        # not what this run's manifest says was sent for the id (edited, removed)
+    "foreign_settings",    # made with another model or other settings than the dataset's
 )
+# Findings that fail the audit whatever their number: rows this run did not produce.
+PROVENANCE = ("stale_prompt", "foreign_settings")
 
 SAMPLE_SCHEMA = pa.schema([
     ("id", pa.string()),
@@ -173,9 +175,52 @@ def iter_batches(layout: RunLayout, batch_size: int = 512) -> Iterator[list[dict
         if missing:
             raise DataError(f"{path}: the data has no column(s) {sorted(missing)}")
         wanted = [c for c in ("id", "messages", "reasoning_content", "content", "finish_reason",
-                              "completion_tokens", "error", "enable_thinking") if c in names]
+                              "completion_tokens", "error", "enable_thinking", "prompt_hash",
+                              "settings_hash") if c in names]
         for batch in parquet.iter_batches(batch_size=batch_size, columns=wanted):
             yield batch.to_pylist()
+
+
+class Provenance:
+    """Which rows this run produced: the prompt hash its manifest recorded for the id, and the
+    dataset's one settings hash (the manifest's, else the most common)."""
+
+    def __init__(self, layout: RunLayout):
+        from collections import Counter
+
+        from regen.manifest import Manifest
+
+        self.manifest = Manifest(layout)
+        doc = self.manifest.read()
+        self.num_shards = doc.get("num_shards") if layout.prompt_index.exists() else None
+        self.settings_counts: Counter = Counter()
+        for path in layout.data_files():
+            if "settings_hash" in pq.ParquetFile(path).schema_arrow.names:
+                self.settings_counts.update(pq.read_table(path, columns=["settings_hash"])["settings_hash"].to_pylist())
+        common = self.settings_counts.most_common(1)
+        self.settings_hash = doc.get("settings_hash") or (common[0][0] if common else None)
+        self._slices: dict[int, dict[str, str]] = {}
+
+    def _expected(self, prompt_id: str) -> str | None:
+        from regen.prompts import shard_of
+
+        shard = shard_of(prompt_id, self.num_shards)
+        if shard not in self._slices:
+            if len(self._slices) > 4:
+                self._slices.clear()
+            self._slices[shard] = self.manifest.shard_prompts(shard).hashes
+        return self._slices[shard].get(prompt_id)
+
+    def check(self, rows: list[dict], results: list[dict]) -> None:
+        for row, result in zip(rows, results):
+            if self.num_shards and "prompt_hash" in row and row["prompt_hash"] != self._expected(row["id"]):
+                result["findings"].append("stale_prompt")
+            if self.settings_hash and row.get("settings_hash", self.settings_hash) != self.settings_hash:
+                result["findings"].append("foreign_settings")
+
+    def to_json(self) -> dict:
+        return {"settings_hash": self.settings_hash, "rows_per_settings_hash": dict(self.settings_counts),
+                "checked_against_manifest": bool(self.num_shards)}
 
 
 def fold(summary: AuditSummary, rows: list[dict], results: list[dict]) -> None:
@@ -216,10 +261,11 @@ class AuditReport:
     summary: AuditSummary
     thresholds: AuditThresholds
     report_dir: Path
+    provenance: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
-        return self.summary.audited > 0 and (
+        return self.summary.audited > 0 and not any(self.summary.counts[f] for f in PROVENANCE) and (
             self.summary.degenerate_fraction <= self.thresholds.max_degenerate_fraction)
 
     def verdict(self) -> str:
@@ -241,6 +287,7 @@ class AuditReport:
             "thinking_rows": s.thinking_rows,
             "reasoning_rows": s.reasoning_rows,
             "example_degenerate": s.example,
+            "provenance": self.provenance,
             "summary": self.lines(),
         }
 
@@ -258,7 +305,10 @@ class AuditReport:
             f"{comp['median']}, max {comp['max']}",
             "findings: " + (", ".join(f"{f} {n:,}" for n, f in top) if top else "none"),
             f"reasoning present on {s.reasoning_rows:,} of {s.thinking_rows:,} samples that asked "
-            f"for thinking; {s.counts['error']:,} error rows, {s.counts['duplicate_id']:,} duplicate ids",
+            f"for thinking; {s.counts['error']:,} error rows, {s.counts['duplicate_id']:,} duplicate ids"
+            + (f"; NOT THIS RUN'S: {s.counts['stale_prompt']:,} stale prompts, "
+               f"{s.counts['foreign_settings']:,} other settings"
+               if any(s.counts[f] for f in PROVENANCE) else ""),
             f"report: {self.report_dir / 'report.html'}",
         ]
 
@@ -326,19 +376,23 @@ def audit_dataset(data: str | Path, tokenizer_dir: str | Path, report_dir: str |
         workers = (os.cpu_count() or 1) if count_rows(layout) >= 8 * batch_size else 1
     summary = AuditSummary()
     seen: set[str] = set()
+    provenance = Provenance(layout)
     samples_tmp = report_dir / ".samples.parquet.tmp"
     batches = iter_batches(layout, batch_size)
     with pq.ParquetWriter(samples_tmp, SAMPLE_SCHEMA, compression="zstd") as writer:
         for rows, results in audited_batches(batches, str(tokenizer_dir), thresholds,
                                              default_thinking, workers):
             mark_duplicates(results, seen)
+            provenance.check(rows, results)
             fold(summary, rows, results)
             writer.write_table(pa.Table.from_pylist(results, schema=SAMPLE_SCHEMA))
             if summary.samples % (batch_size * 20) < len(rows):
                 log.info("audited %s samples", f"{summary.samples:,}")
     samples_tmp.replace(report_dir / "samples.parquet")
-    report = AuditReport(summary, thresholds, report_dir)
+    report = AuditReport(summary, thresholds, report_dir, provenance.to_json())
     (report_dir / "summary.json").write_text(json.dumps(report.to_json(), indent=1))
+    from regen.report import render_html
+
     (report_dir / "report.html").write_text(render_html(report))
     return report
 
@@ -358,55 +412,3 @@ def audit(cfg: RunConfig, data: str | None = None, tokenizer: str | None = None,
     if not result.passed:
         raise AuditFailed("\n".join(result.lines()), doc)
     return doc
-
-
-def _histogram_png(values: Iterable[int], title: str, xlabel: str, threshold: int | None = None) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    arr = np.asarray(list(values))
-    fig, ax = plt.subplots(figsize=(6.4, 3.2), dpi=100)
-    if arr.size:
-        bins = np.unique(np.geomspace(max(arr.min(), 1), max(arr.max(), 2), 40).astype(int))
-        ax.hist(np.clip(arr, 1, None), bins=bins, color="#4472c4")
-        ax.set_xscale("log")
-    if threshold is not None:
-        ax.axvline(threshold, color="#c00000", linestyle="--", label=f"min_loss_tokens {threshold}")
-        ax.legend()
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("samples")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
-def render_html(report: AuditReport) -> str:
-    from html import escape
-
-    data = report.to_json()
-    s = report.summary
-    loss_png = _histogram_png(s.loss_tokens, "Loss tokens per sample", "loss tokens (log)",
-                              report.thresholds.min_loss_tokens)
-    comp_png = _histogram_png(s.completion_tokens, "Completion tokens per sample",
-                              "completion tokens (log)")
-    rows = "".join(f"<tr><td>{f}</td><td>{data['counts'][f]:,}</td>"
-                   f"<td>{data['fractions'][f]:.2%}</td></tr>" for f in FINDINGS)
-    colour = "#2e7d32" if report.passed else "#c62828"
-    example = ""
-    if s.example:
-        example = f"<h2>A degenerate sample</h2><pre>{escape(json.dumps(s.example, indent=1))}</pre>"
-    lines = "".join(f"<li>{escape(line)}</li>" for line in report.lines())
-    return f"""<!doctype html><html><head><meta charset="utf-8"><title>regen audit</title>
-<style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}td,th{{padding:.2em .8em;text-align:right}}
-td:first-child{{text-align:left}}.verdict{{color:#fff;background:{colour};padding:.3em .8em}}</style></head>
-<body><h1>regen audit <span class="verdict" id="verdict">{report.verdict()}</span></h1>
-<ul>{lines}</ul>
-<h2>Findings</h2><table><tr><th>finding</th><th>samples</th><th>fraction</th></tr>{rows}</table>
-<h2>Distributions</h2><img alt="loss tokens histogram" src="data:image/png;base64,{loss_png}">
-<img alt="completion tokens histogram" src="data:image/png;base64,{comp_png}">
-{example}</body></html>"""

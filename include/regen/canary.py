@@ -104,9 +104,9 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
 
 def canary(cfg: RunConfig) -> dict:
     """The canary stage, against the servers start_servers recorded."""
-    from regen.servers import recorded_endpoints
+    from regen.servers import recorded
 
-    result = run_canary(cfg, recorded_endpoints(cfg))
+    result = run_canary(cfg, [(r.url, r.api_key) for r in recorded(cfg)])
     if result.problems:
         raise CanaryFailed("\n".join(result.problems))
     return {"passed": True, "samples": len(result.rows), "estimate": result.estimate,

@@ -126,9 +126,9 @@ def cmd_serve(args) -> int:
 
     cfg = load_config(args)
     if args.stop:
-        print(run(stop, cfg)["summary"])
+        print(run(stop, cfg, run_id=args.run_id, every=args.every)["summary"])
         return 0
-    for url in run(serve, cfg, served_model_path=args.served_model_path)["urls"]:
+    for url in run(serve, cfg, served_model_path=args.served_model_path, run_id=args.run_id)["urls"]:
         print(url)
     print(f"state and logs: {RunLayout(cfg.output).servers}; stop with `regen serve --stop` and "
           f"the same config", file=sys.stderr)
@@ -158,9 +158,11 @@ def cmd_generate(args) -> int:
 
     cfg = load_config(args)
     endpoints = [u.strip() for u in args.endpoints.split(",") if u.strip()] if args.endpoints else None
+    # Servers named by URL serve what they report, unless a model directory is named too.
+    model_from = "model_path" if (args.config or args.config_json or args.model_path) else "servers"
     shards = [args.shard] if args.shard is not None else list(range(cfg.num_shards))
     for shard in shards:
-        print(run(generate, cfg, shard=shard, endpoints=endpoints)["summary"])
+        print(run(generate, cfg, shard=shard, endpoints=endpoints, model_from=model_from)["summary"])
     return 0
 
 
@@ -270,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(p)
     p.add_argument("--served-model-path", help="serve this path (e.g. the staged copy)")
     p.add_argument("--stop", action="store_true", help="stop the servers of this config instead")
+    p.add_argument("--run-id", default="cli", help="the run that owns the servers (default: cli); "
+                   "--stop stops only that run's")
+    p.add_argument("--every", action="store_true", help="with --stop: every recorded server, "
+                   "whichever run owns it")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("logs", help="the last lines of each server's log")

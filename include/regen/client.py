@@ -8,6 +8,7 @@ journal, or the canary's list).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import time
@@ -15,7 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-import httpx
+import httpx2
+import msgspec
 
 from regen.config import RunConfig
 from regen.dispatch import ClientTuning, Endpoint, ServerPool
@@ -27,17 +29,17 @@ def _is_retryable_status(status: int) -> bool:
     return status in (408, 429) or status >= 500
 
 
-def _error_text(response: httpx.Response) -> str:
+def _error_text(body: bytes) -> str:
     try:
-        body = response.json()
-        if isinstance(body, dict):
-            err = body.get("error", body)
+        doc = json.loads(body)
+        if isinstance(doc, dict):
+            err = doc.get("error", doc)
             if isinstance(err, dict):
                 return str(err.get("message") or err)[:300]
             return str(err)[:300]
     except ValueError:
         pass
-    return response.text[:300]
+    return body.decode("utf-8", "replace")[:300]
 
 
 @dataclass
@@ -93,21 +95,19 @@ class Generator:
             sent = time.monotonic()
             retry, latency = True, None
             try:
-                response = await endpoint.client.post(
-                    f"{endpoint.url}/v1/chat/completions", json=self.payload(endpoint, request),
-                    headers=endpoint.headers,
-                )
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                status, body = await endpoint.transport.request(
+                    "POST", "/v1/chat/completions", msgspec.json.encode(self.payload(endpoint, request)))
+            except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
                 last_error = f"{type(exc).__name__}: {exc or 'connection failed'}"
                 self.pool.record_failure(endpoint, last_error, fatal=True)
-            except httpx.TransportError as exc:
+            except httpx2.TransportError as exc:
                 last_error = f"{type(exc).__name__}: {exc or 'transport error'}"
                 self.pool.record_failure(endpoint, last_error)
             else:
-                if response.status_code == 200:
+                if status == 200:
                     try:
-                        row = self.parse(request, endpoint, response.json(), attempt, started)
-                    except (ValueError, KeyError, IndexError, TypeError) as exc:
+                        row = self.parse(request, endpoint, msgspec.json.decode(body), attempt, started)
+                    except (ValueError, KeyError, IndexError, TypeError, msgspec.DecodeError) as exc:
                         last_error = f"unreadable response: {exc}"
                     else:
                         self.pool.record_success(endpoint)
@@ -115,11 +115,11 @@ class Generator:
                         endpoint.done += 1
                         endpoint.tokens += row["completion_tokens"] or 0
                         return row
-                elif _is_retryable_status(response.status_code):
-                    last_error = f"HTTP {response.status_code}: {_error_text(response)}"
+                elif _is_retryable_status(status):
+                    last_error = f"HTTP {status}: {_error_text(body)}"
                     self.pool.record_failure(endpoint, last_error)
                 else:
-                    last_error = f"HTTP {response.status_code}: {_error_text(response)}"
+                    last_error = f"HTTP {status}: {_error_text(body)}"
                     retry = False
             finally:
                 await self.pool.release(endpoint, ticket, latency)

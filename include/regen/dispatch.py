@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import httpx2
 
 from regen.config import RunConfig
 from regen.engines import Engine, engine, engine_of_server
 from regen.errors import RegenError
+from regen.transport import StreamTransport
 
 log = logging.getLogger("regen.dispatch")
+# httpx2 logs every request at INFO: a million lines in a task log, and a measurable share of
+# the client's CPU per request.
+logging.getLogger("httpx2").setLevel(logging.WARNING)
 
 
 class ShardFailed(RegenError):
@@ -50,6 +55,7 @@ class Endpoint:
     engine: Engine | None = None
     limit: int = 1
     model: str | None = None
+    served_path: str | None = None
     info: dict = field(default_factory=dict)
     in_flight: int = 0
     healthy: bool = True
@@ -58,15 +64,25 @@ class Endpoint:
     failed: int = 0
     tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
-    # One connection pool per server: httpx scans its whole pool on every request, so a shared
-    # pool over many servers' connections costs more CPU than the requests themselves.
-    client: httpx.AsyncClient | None = field(default=None, repr=False)
+    # Its own kept-alive connections, one per request slot (regen.transport).
+    transport: StreamTransport | None = field(default=None, repr=False)
     latency_s: float | None = None  # moving average of a successful request's latency
     starts: dict[int, float] = field(default_factory=dict)  # in flight: ticket -> start time
 
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+    def connect(self, cfg: RunConfig, slots: int) -> None:
+        """Connections for ``slots`` requests in flight, and one each for the health probe and
+        the metrics scrape."""
+        url = httpx2.URL(self.url)
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self.transport = StreamTransport(url.host, url.port or 80, slots + 2,
+                                         read_timeout=cfg.request_timeout_s, headers=headers)
+
+    async def get_json(self, path: str, timeout: float = 10.0):
+        """The JSON body of a GET that answered 200; ValueError otherwise."""
+        status, body = await self.transport.request("GET", path, read_timeout=timeout)
+        if status != 200:
+            raise ValueError(f"{path}: HTTP {status}")
+        return json.loads(body)
 
     def report(self) -> dict:
         return {"done": self.done, "failed": self.failed, "in_flight": self.in_flight,
@@ -172,10 +188,10 @@ class ServerPool:
         while True:
             await asyncio.sleep(self.tuning.probe_interval_s)
             try:
-                response = await endpoint.client.get(f"{endpoint.url}/health", timeout=5.0)
-            except httpx.HTTPError:
+                status, _ = await endpoint.transport.request("GET", "/health", read_timeout=5.0)
+            except httpx2.HTTPError:
                 continue
-            if response.status_code == 200:
+            if status == 200:
                 async with self.cond:
                     endpoint.healthy = True
                     endpoint.consecutive_failures = 0
@@ -188,53 +204,57 @@ class ServerPool:
             task.cancel()
 
 
-def _timeout(cfg: RunConfig) -> httpx.Timeout:
-    return httpx.Timeout(connect=10.0, read=cfg.request_timeout_s, write=60.0, pool=None)
-
-
 async def discover(url: str, api_key: str | None, cfg: RunConfig, tuning: ClientTuning) -> Endpoint:
     """The served model, the engine behind it and how many requests it runs at once."""
     endpoint = Endpoint(url=url.rstrip("/"), api_key=api_key, engine=engine(cfg.engine))
-    endpoint.client = httpx.AsyncClient(timeout=_timeout(cfg))
+    endpoint.connect(cfg, 1)
     try:
-        models = await endpoint.client.get(f"{endpoint.url}/v1/models", headers=endpoint.headers,
-                                           timeout=10)
-        models.raise_for_status()
-        doc = models.json()
+        doc = await endpoint.get_json("/v1/models")
         endpoint.model = doc["data"][0]["id"]
+        endpoint.served_path = doc["data"][0].get("root")
         endpoint.engine = engine_of_server(doc, cfg.engine)
-    except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError) as exc:
+    except (httpx2.HTTPError, KeyError, IndexError, ValueError, TypeError) as exc:
         endpoint.healthy = False
         log.warning("server %s not answering /v1/models (%s); probing until it is back", url, exc)
     if endpoint.healthy:
         endpoint.info = await _server_info(endpoint)
+        endpoint.served_path = endpoint.served_path or endpoint.engine.served_model_path(endpoint.info)
     reported = endpoint.engine.effective_limit(endpoint.info, None)
     limit = cfg.concurrency_per_server or reported or tuning.default_concurrency
     endpoint.limit = max(1, min(limit, reported) if reported else limit)
+    await endpoint.transport.aclose()
+    endpoint.connect(cfg, endpoint.limit)
     return endpoint
 
 
 async def _server_info(endpoint: Endpoint) -> dict:
     for path in endpoint.engine.info_paths:
         try:
-            response = await endpoint.client.get(f"{endpoint.url}{path}", headers=endpoint.headers,
-                                                 timeout=10)
-            if response.status_code == 200:
-                info = response.json()
-                if isinstance(info, dict):
-                    return info
-        except (httpx.HTTPError, ValueError):
+            info = await endpoint.get_json(path)
+        except (httpx2.HTTPError, ValueError):
             continue
+        if isinstance(info, dict):
+            return info
     return {}
 
 
 @contextlib.asynccontextmanager
-async def open_endpoints(endpoints: list[tuple[str, str | None]], cfg: RunConfig, tuning: ClientTuning):
-    """Discovered endpoints with their own connection pools, closed on the way out."""
+async def open_endpoints(endpoints: list[tuple[str, str | None]], cfg: RunConfig, tuning: ClientTuning,
+                         expected_models: dict[str, str] | None = None):
+    """Discovered endpoints with their own connection pools, closed on the way out.
+    ``expected_models``: url -> the model name its server was started with; a server that now
+    answers with another name is not the one recorded, and is never used."""
     eps: list[Endpoint] = []
     try:
         for url, key in endpoints:
-            eps.append(await discover(url, key, cfg, tuning))
+            endpoint = await discover(url, key, cfg, tuning)
+            wanted = (expected_models or {}).get(url)
+            if wanted and endpoint.model and endpoint.model != wanted:
+                await endpoint.transport.aclose()
+                raise AllServersDown(
+                    f"{url} serves {endpoint.model!r}, not {wanted!r} which this run's servers were "
+                    f"started with: another server took its port; not using it")
+            eps.append(endpoint)
         if not any(e.healthy for e in eps):
             raise AllServersDown(
                 f"no server answers ({', '.join(e.url for e in eps)}): start them first "
@@ -243,7 +263,7 @@ async def open_endpoints(endpoints: list[tuple[str, str | None]], cfg: RunConfig
         yield eps
     finally:
         for endpoint in eps:
-            await endpoint.client.aclose()
+            await endpoint.transport.aclose()
 
 
 async def scrape_metrics(endpoint: Endpoint) -> None:
@@ -252,14 +272,14 @@ async def scrape_metrics(endpoint: Endpoint) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        response = await endpoint.client.get(f"{endpoint.url}/metrics", timeout=3.0)
-    except httpx.HTTPError:
+        status, body = await endpoint.transport.request("GET", "/metrics", read_timeout=3.0)
+    except httpx2.HTTPError:
         return
-    if response.status_code != 200:
+    if status != 200:
         return
     metrics: dict[str, float] = {}
     try:
-        for family in text_string_to_metric_families(response.text):
+        for family in text_string_to_metric_families(body.decode("utf-8", "replace")):
             for sample in family.samples:
                 name = endpoint.engine.metric(sample.name)
                 if name is not None:

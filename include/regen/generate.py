@@ -17,24 +17,29 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from regen.client import Generator, Request
-from regen.dispatch import ClientTuning, ServerPool, ShardFailed, open_endpoints, scrape_metrics
 from regen.config import RunConfig
+from regen.dispatch import ClientTuning, ServerPool, ShardFailed, open_endpoints, scrape_metrics
 from regen.layout import RunLayout
+from regen.manifest import Manifest, ShardPrompts, prompt_hash, settings_hash, template_kwargs
 from regen.progress import RunProgress, format_duration
-from regen.prompts import Prompt, PromptError, read_shard
+from regen.prompts import Prompt, PromptError, read_at
 from regen.store import Journal, ShardStore
 
 log = logging.getLogger("regen.generate")
 
 
-def settings_hash(cfg: RunConfig, model_identity: str | None) -> str:
-    """What decides whether an existing row can stand for a new run's row: the model (its
-    config, weights and chat template) and every sampling setting."""
-    key = {"model": model_identity, **cfg.sampling()}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+def served_identity(endpoints: list) -> str:
+    """The model's identity as the servers report it (engine, model names, model path), when no
+    model directory says what they serve; servers that disagree are refused."""
+    seen = {json.dumps({"engine": e.engine.name, "model": e.model, "path": e.served_path}, sort_keys=True)
+            for e in endpoints if e.healthy}
+    if len(seen) > 1:
+        raise ShardFailed(f"the servers serve different models ({'; '.join(sorted(seen))}); a dataset "
+                          f"comes from one model")
+    return "served:" + hashlib.sha256(seen.pop().encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -59,22 +64,32 @@ class ShardResult:
 
 
 class ShardRun:
-    """One attempt at one shard: settle what is done, send the rest, publish the shard's file."""
+    """One attempt at one shard: settle what is done, send the rest, publish the shard's file.
+
+    ``model_identity``: what the servers serve (the fingerprint of the model copy they loaded);
+    None takes it from what the servers report (`--endpoints` without a model directory).
+    ``rebuild_index``: index the prompt file here when the manifest does not describe it (the
+    CLI); a DAG shard instead refuses a file that changed after its run's preflight.
+    """
 
     def __init__(self, cfg: RunConfig, endpoints: list[tuple[str, str | None]], shard: int,
                  model_identity: str | None, tuning: ClientTuning | None = None,
-                 on_row: Callable[[dict], None] | None = None):
+                 on_row: Callable[[dict], None] | None = None, rebuild_index: bool = True,
+                 expected_models: dict[str, str] | None = None):
         self.cfg = cfg
         self.endpoints = endpoints
         self.tuning = tuning or ClientTuning()
         self.on_row = on_row
+        self.rebuild_index = rebuild_index
+        self.expected_models = expected_models or {}
         self.layout = RunLayout(cfg.output)
         self.store = ShardStore(self.layout, shard, cfg.num_shards)
         self.progress = RunProgress(self.layout)
+        self.manifest = Manifest(self.layout)
         self.model_identity = model_identity
-        self.settings_hash = settings_hash(cfg, model_identity)
         self.started = time.monotonic()
         self.gen: Generator | None = None
+        self.eps: list = []
 
     @property
     def shard(self) -> int:
@@ -84,58 +99,66 @@ class ShardRun:
         with self.store.lock():
             return asyncio.run(self._run())
 
-    def _scan(self) -> tuple[set[str], set[str], list[PromptError]]:
-        """(ids of the shard, ids already settled, unreadable records)."""
-        settled = self.store.settled_ids()
-        if self.model_identity is not None:  # without knowing the model, reuse nothing
-            settled |= self.store.reusable_ids(self.settings_hash)
-        ids: set[str] = set()
-        bad: list[PromptError] = []
-        for item in read_shard(self.cfg.prompts, self.shard, self.cfg.num_shards):
-            if isinstance(item, PromptError):
-                bad.append(item)
-            else:
-                ids.add(item.id)
-        return ids, settled & ids, bad
-
-    def _report_bad(self, bad: list[PromptError]) -> None:
+    def _report_bad(self, doc: dict) -> int:
+        """Unreadable records of the prompt file that fall to this shard, listed with file:line."""
+        bad = [text for line, text in (doc.get("prompts") or {}).get("unreadable", [])
+               if line % self.cfg.num_shards == self.shard]
         if not bad:
-            return
+            return 0
         self.store.errors_path.parent.mkdir(parents=True, exist_ok=True)
         self.store.errors_path.write_text("".join(f"{e}\n" for e in bad))
         for err in bad[:5]:
             log.warning("unreadable prompt record: %s", err)
         log.warning("%d unreadable record(s) listed in %s", len(bad), self.store.errors_path)
+        return len(bad)
+
+    def _requests(self, prompts: ShardPrompts, pending: set[str]) -> Iterator[Request]:
+        """The pending prompts, read where the index says they are, each checked against the
+        hash the index recorded: a file changed under a running shard fails it, clearly."""
+        kwargs = template_kwargs(self.cfg)
+        places = sorted((prompts.places[i] for i in pending), key=lambda p: p[1])
+        for item in read_at(self.cfg.prompts, places):
+            if isinstance(item, PromptError) or prompts.hashes.get(item.id) != prompt_hash(item.messages, kwargs):
+                raise ShardFailed(
+                    f"{self.store.name}: {self.cfg.prompts} changed while the run went on (line "
+                    f"{item.line} is not what was indexed); finished rows are kept. Clear the whole "
+                    f"run to regenerate from the file as it is now")
+            yield Request(item.id, item.messages,
+                          {"prompt_hash": prompts.hashes[item.id], "settings_hash": self.settings_hash})
 
     async def _run(self) -> ShardResult:
-        ids, settled, bad = self._scan()
-        self._report_bad(bad)
-        total, skipped = len(ids), len(settled)
-        if self.store.final.exists() and not self.store.journal_path.exists() and skipped == total:
-            log.info("%s is up to date: every prompt has a good row made with this model and these "
-                     "settings (%s); nothing to send", self.store.name, self.store.final)
-            self.progress.write_shard(self.shard, {
-                "state": "done", "shard": self.shard, "num_shards": self.cfg.num_shards,
-                "total": total, "done": total, "failed": 0, "sent": 0, "tokens_per_s": 0.0,
-                "eta_s": 0, "servers": {}})
-            return ShardResult(self.shard, self.cfg.num_shards, total, 0, 0, total, len(bad), 0.0, 0,
-                               str(self.store.final))
-        log.info("%s: %d prompts, %d already have a row, %d to send", self.store.name, total,
-                 skipped, total - skipped)
-        self.total, self.skipped = total, skipped
-        journal = Journal(self.store.journal_path)
+        doc = self.manifest.ensure(self.cfg, rebuild=self.rebuild_index)
+        bad = self._report_bad(doc)
+        prompts = self.manifest.shard_prompts(self.shard)
+        journal = None
         try:
-            async with open_endpoints(self.endpoints, self.cfg, self.tuning) as eps:
+            async with open_endpoints(self.endpoints, self.cfg, self.tuning, self.expected_models) as eps:
                 self.eps = eps
+                identity = self.model_identity or served_identity(eps)
+                self.settings_hash = settings_hash(identity, self.cfg.sampling())
+                self.manifest.update(settings_hash=self.settings_hash, model_identity=identity)
+                settled, file_ids = self.store.settled(prompts.hashes, self.settings_hash)
+                total, skipped = len(prompts.ids), len(settled)
+                self.total, self.skipped = total, skipped
+                if (skipped == total and file_ids == set(prompts.ids)
+                        and not self.store.journal_path.exists()):
+                    log.info("%s is up to date: every prompt has a good row of this run's prompts, "
+                             "model and settings (%s); nothing to send", self.store.name, self.store.final)
+                    self.progress.write_shard(self.shard, {
+                        "state": "done", "shard": self.shard, "num_shards": self.cfg.num_shards,
+                        "total": total, "done": total, "failed": 0, "sent": 0, "tokens_per_s": 0.0,
+                        "eta_s": 0, "servers": {}})
+                    return ShardResult(self.shard, self.cfg.num_shards, total, 0, 0, total, bad, 0.0, 0,
+                                       str(self.store.final))
+                log.info("%s: %d prompts, %d already have a row, %d to send", self.store.name, total,
+                         skipped, total - skipped)
+                journal = Journal(self.store.journal_path)
                 pool = ServerPool(eps, self.tuning)
                 self.gen = Generator(pool, self.cfg, self.tuning, lambda row: self._sink(journal, row))
                 self._report()
                 reporter = asyncio.create_task(self._reporter())
-                requests = (Request(p.id, p.messages, {"settings_hash": self.settings_hash})
-                            for p in read_shard(self.cfg.prompts, self.shard, self.cfg.num_shards)
-                            if isinstance(p, Prompt) and p.id not in settled)
                 try:
-                    await self.gen.run(requests)
+                    await self.gen.run(self._requests(prompts, set(prompts.ids) - settled))
                 except BaseException:
                     self._report("failed")
                     raise
@@ -143,15 +166,16 @@ class ShardRun:
                     reporter.cancel()
                     pool.close()
         finally:
-            journal.close()
+            if journal is not None:
+                journal.close()
         try:
-            self.store.publish(ids)
+            self.store.publish(prompts.hashes, self.settings_hash)
         except OSError as exc:
             raise ShardFailed(f"{self.store.name}: cannot write {self.store.final.name}: "
                               f"{exc.strerror or exc}; data/ is unchanged and the journal is kept") from exc
         elapsed = time.monotonic() - self.started
         result = ShardResult(self.shard, self.cfg.num_shards, total, self.gen.done, self.gen.failed,
-                             skipped, len(bad), elapsed, self.gen.tokens, str(self.store.final))
+                             skipped, bad, elapsed, self.gen.tokens, str(self.store.final))
         data = self._report("done")
         data.update(tokens_per_s=round(self.gen.tokens / elapsed, 1) if elapsed > 0 else 0.0, eta_s=0)
         self.progress.write_shard(self.shard, data)
@@ -206,20 +230,33 @@ class ShardRun:
                      f"{data['tokens_per_s']:,.0f}", format_duration(data["eta_s"]))
 
 
-def generate(cfg: RunConfig, shard: int, endpoints: list[str] | None = None) -> dict:
-    """The generate stage. ``endpoints``: URLs of running servers (their model is then unknown
-    here, so no earlier row is trusted); default: the servers start_servers recorded."""
+def generate(cfg: RunConfig, shard: int, endpoints: list[str] | None = None,
+             model_from: str = "servers", strict_index: bool = False) -> dict:
+    """The generate stage. Default: the servers start_servers recorded, and the model identity it
+    recorded (the fingerprint of the copy they loaded). ``endpoints``: URLs of running servers;
+    their model's identity is then what they report (``model_from="servers"``) or the config's
+    model directory (``"model_path"``). ``strict_index``: the manifest must be the one this run's
+    preflight wrote (a DAG shard); else the prompt file is indexed here when needed."""
     if endpoints:
-        pairs = [(url, cfg.api_key) for url in endpoints]
-        identity = None
-    else:
-        from regen.servers import recorded_endpoints
         from regen.stage import model_fingerprint
 
-        pairs = recorded_endpoints(cfg)
-        identity = model_fingerprint(cfg.model_path)
+        pairs = [(url, cfg.api_key) for url in endpoints]
+        identity = model_fingerprint(cfg.model_path) if model_from == "model_path" else None
+        expected: dict[str, str] = {}
+    else:
+        from regen.servers import recorded
+
+        records = recorded(cfg)
+        identities = {r.model_fingerprint for r in records}
+        if len(identities) != 1 or None in identities:
+            raise ShardFailed(f"the recorded servers do not serve one known model ({identities}); "
+                              f"restart them (clear start_servers)")
+        pairs = [(r.url, r.api_key) for r in records]
+        identity = identities.pop()
+        expected = {r.url: r.served_model for r in records if r.served_model}
     with _progress_bar() as on_row:
-        result = ShardRun(cfg, pairs, shard, identity, on_row=on_row).run()
+        result = ShardRun(cfg, pairs, shard, identity, on_row=on_row, rebuild_index=not strict_index,
+                          expected_models=expected).run()
     return {**asdict(result), "summary": result.summary()}
 
 

@@ -31,8 +31,8 @@ log = logging.getLogger("regen.preflight")
 # The modules each stage imports; importing them in a fresh interpreter proves they load.
 ENTRY_POINTS = ("regen.cli", "regen.pipeline", "regen.remote", "regen.stage", "regen.servers",
                 "regen.engines", "regen.sim", "regen.canary", "regen.client", "regen.dispatch",
-                "regen.store", "regen.generate", "regen.audit", "regen.chat", "regen.export",
-                "regen.progress")
+                "regen.store", "regen.transport", "regen.generate", "regen.audit", "regen.chat",
+                "regen.export", "regen.progress", "regen.manifest", "regen.procs", "regen.report")
 
 # Runs in the target interpreter: compiles each file, prints one JSON problem per failure.
 _COMPILE_SCRIPT = r"""
@@ -119,27 +119,26 @@ def check_code(python: str = sys.executable, files: list[Path] | None = None,
 
 
 def check_prompts(cfg: RunConfig, report: PreflightReport, max_listed: int = 20) -> None:
+    """Every record readable, every id once; the prompt index of the run manifest on the way."""
+    from regen.manifest import PromptIndexWriter
     from regen.prompts import PromptError, read_prompts
 
     path = Path(cfg.prompts)
     if not path.is_file():
         report.problems.append(f"prompts {path}: file not found")
         return
-    seen: dict[str, int] = {}
+    index = PromptIndexWriter(cfg)
     bad: list[str] = []
     duplicates: list[str] = []
     count, longest_chars, longest = 0, 0, None
     try:
         for item in read_prompts(path):
+            problem = index.feed(item)
+            if problem is not None:
+                (bad if isinstance(item, PromptError) else duplicates).append(problem)
             if isinstance(item, PromptError):
-                bad.append(str(item))
                 continue
             count += 1
-            if item.id in seen:
-                duplicates.append(f"{path}:{item.line}: duplicate id {item.id!r} "
-                                  f"(first at line {seen[item.id]})")
-            else:
-                seen[item.id] = item.line
             chars = sum(len(m["content"]) for m in item.messages)
             if chars > longest_chars:
                 longest_chars, longest = chars, item
@@ -149,6 +148,7 @@ def check_prompts(cfg: RunConfig, report: PreflightReport, max_listed: int = 20)
     report.info["prompts"] = count
     report.info["longest_prompt_chars"] = longest_chars
     report.info["_longest_prompt"] = longest
+    report.info["_index"] = index
     for lines, what in ((bad, "unreadable record"), (duplicates, "duplicate id")):
         report.problems.extend(lines[:max_listed])
         if len(lines) > max_listed:
@@ -277,28 +277,42 @@ def check_ports(cfg: RunConfig, report: PreflightReport) -> None:
                                f"on {cfg.host} already in use: free them or change base_port")
 
 
-def run_preflight(cfg: RunConfig, code: bool = True) -> PreflightReport:
+def check_map_length(cfg: RunConfig, report: PreflightReport, max_map_length: int | None) -> None:
+    if max_map_length is not None and cfg.num_shards > max_map_length:
+        report.problems.append(
+            f"num_shards {cfg.num_shards} is above this Airflow's max_map_length {max_map_length} "
+            f"([core] max_map_length): the generate task could not be mapped; use at most "
+            f"{max_map_length} shards or raise the setting")
+
+
+def run_preflight(cfg: RunConfig, code: bool = True, max_map_length: int | None = None) -> PreflightReport:
     started = time.monotonic()
     report = PreflightReport()
     if code:
         report.problems.extend(check_code())
+    check_map_length(cfg, report, max_map_length)
     check_engine(cfg, report)
     check_prompts(cfg, report)
     check_model(cfg, report)
     check_space(cfg, report)
     check_output(cfg, report)
     check_ports(cfg, report)
-    report.info = {k: v for k, v in report.info.items() if not k.startswith("_")}
     report.seconds = time.monotonic() - started
     return report
 
 
-def preflight(cfg: RunConfig, code: bool = True) -> dict:
+def preflight(cfg: RunConfig, code: bool = True, run_id: str = "cli",
+              max_map_length: int | None = None) -> dict:
     """The preflight stage: every check, here, with this interpreter; PreflightFailed listing
-    every problem, else the shards to map over."""
-    report = run_preflight(cfg, code=code)
+    every problem, else the run manifest written (the prompt index) and the shards to map over.
+    ``max_map_length``: the deployment's limit on mapped tasks (the DAG passes Airflow's)."""
+    from regen.manifest import Manifest
+
+    report = run_preflight(cfg, code=code, max_map_length=max_map_length)
     if not report.ok:
         raise PreflightFailed(report.problems)
+    Manifest(RunLayout(cfg.output)).write_prompts(cfg, report.info["_index"], run_id)
+    report.info = {k: v for k, v in report.info.items() if not k.startswith("_")}
     return {"shards": list(range(cfg.num_shards)), "info": report.info,
             "seconds": round(report.seconds, 2),
             "summary": f"preflight passed in {report.seconds:.1f} s: "

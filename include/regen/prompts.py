@@ -30,6 +30,7 @@ class Prompt:
     id: str
     messages: list[dict[str, str]]
     line: int
+    offset: int = -1  # where the record starts: a byte offset (JSONL) or a row number (Parquet)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,39 +98,69 @@ def request_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     return messages[: last_user + 1]
 
 
-def iter_records(path: str | Path) -> Iterator[tuple[int, Any]]:
-    """(line number, raw record) pairs; a JSON error yields (line, PromptError)."""
+def is_parquet(path: str | Path) -> bool:
+    return Path(path).suffix in (".parquet", ".pq")
+
+
+def iter_records(path: str | Path) -> Iterator[tuple[int, int, Any]]:
+    """(line number, offset, raw record); a JSON error yields (line, offset, PromptError)."""
     path = Path(path)
-    if path.suffix in (".parquet", ".pq"):
+    if is_parquet(path):
         import pyarrow.parquet as pq
 
         row = 0
         for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
             for record in batch.to_pylist():
+                yield row + 1, row, record
                 row += 1
-                yield row, record
         return
     decode = msgspec.json.decode  # several times json.loads' speed: a million lines in seconds
+    offset = 0
     with path.open("rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             try:
-                yield lineno, decode(raw)
+                yield lineno, offset, decode(raw)
             except msgspec.DecodeError as exc:
                 if raw.strip():
-                    yield lineno, PromptError(str(path), lineno, f"not valid JSON: {exc}")
+                    yield lineno, offset, PromptError(str(path), lineno, f"not valid JSON: {exc}")
+            offset += len(raw)
+
+
+def _prompt(path: str | Path, line: int, offset: int, record: Any) -> Prompt | PromptError:
+    if isinstance(record, PromptError):
+        return record
+    try:
+        prompt_id, messages = normalize_record(record)
+    except ValueError as exc:
+        return PromptError(str(path), line, str(exc))
+    return Prompt(prompt_id, messages, line, offset)
 
 
 def read_prompts(path: str | Path) -> Iterator[Prompt | PromptError]:
-    for line, record in iter_records(path):
-        if isinstance(record, PromptError):
-            yield record
-            continue
-        try:
-            prompt_id, messages = normalize_record(record)
-        except ValueError as exc:
-            yield PromptError(str(path), line, str(exc))
-            continue
-        yield Prompt(prompt_id, messages, line)
+    for line, offset, record in iter_records(path):
+        yield _prompt(path, line, offset, record)
+
+
+def read_at(path: str | Path, places: list[tuple[int, int]]) -> Iterator[Prompt | PromptError]:
+    """The records at (line, offset) places the prompt index recorded, in the order given: a
+    resumed shard reads only what it still has to send."""
+    if is_parquet(path):
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        for line, offset in places:
+            yield _prompt(path, line, offset, table.slice(offset, 1).to_pylist()[0])
+        return
+    decode = msgspec.json.decode
+    with Path(path).open("rb") as fh:
+        for line, offset in places:
+            fh.seek(offset)
+            raw = fh.readline()
+            try:
+                record = decode(raw)
+            except msgspec.DecodeError as exc:
+                record = PromptError(str(path), line, f"not valid JSON: {exc}")
+            yield _prompt(path, line, offset, record)
 
 
 def read_shard(path: str | Path, shard: int, num_shards: int) -> Iterator[Prompt | PromptError]:

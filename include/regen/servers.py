@@ -3,28 +3,33 @@ leaves nothing.
 
 Each server runs in its own session (``setsid``), so the whole process tree, SGLang's scheduler
 children included, is signalled as one group and outlives the Airflow task that started it. What
-was started is recorded in ``servers.json`` (:class:`regen.layout.RunLayout`); every later task
-(canary, shards, teardown) and every re-run reads it from there. The launch command comes from the
+was started is recorded in ``servers.json`` (:class:`regen.layout.RunLayout`): the node it runs
+on, the run that owns it, its process (PID and start time), its launch arguments (without the key)
+and the model it serves. Every later task and every re-run reads it from there. A recorded server
+is reused only when it is the same process, healthy, launched with the same arguments and serving
+the same model; a teardown stops only the servers its run owns. The launch command comes from the
 engine's adapter (:mod:`regen.engines`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import time
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Sequence
 
-import httpx
+import httpx2
 
+from regen import procs
 from regen.config import RunConfig
 from regen.engines import engine
 from regen.errors import RegenError
@@ -37,6 +42,14 @@ class ServerError(RegenError):
     """A server that could not be started or stopped; the message says which and why."""
 
 
+KEY_PLACEHOLDER = "<api-key>"
+
+
+def node_name() -> str:
+    """This machine, as servers.json names the node a server runs on."""
+    return os.environ.get("REGEN_NODE_NAME") or socket.gethostname()
+
+
 @dataclass
 class ServerRecord:
     index: int
@@ -45,13 +58,28 @@ class ServerRecord:
     port: int
     pid: int
     log_path: str
-    argv: list[str]
     api_key: str | None
+    start_ticks: int | None = None
+    node: str = ""
+    owner: str = ""
+    launch: list[str] | None = None  # the argv with the key replaced by KEY_PLACEHOLDER
+    model_path: str = ""
+    model_fingerprint: str | None = None
+    served_model: str | None = None  # the name /v1/models gave once the server was healthy
 
     @property
     def url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
         return f"http://{host}:{self.port}"
+
+    def running(self) -> bool:
+        return procs.is_running(self.pid, self.start_ticks)
+
+    def public(self) -> dict:
+        """Without the API key: what a result document and a log may carry."""
+        return {"index": self.index, "url": self.url, "pid": self.pid, "gpu": self.gpu,
+                "node": self.node, "owner": self.owner, "log": self.log_path,
+                "model": self.served_model, "model_fingerprint": self.model_fingerprint}
 
 
 def detect_gpus() -> list[int]:
@@ -104,8 +132,8 @@ def port_is_free(host: str, port: int) -> bool:
 
 def is_healthy(url: str, timeout: float = 5.0) -> bool:
     try:
-        return httpx.get(f"{url}/health", timeout=timeout).status_code == 200
-    except httpx.HTTPError:
+        return httpx2.get(f"{url}/health", timeout=timeout).status_code == 200
+    except httpx2.HTTPError:
         return False
 
 
@@ -113,11 +141,16 @@ def read_state(layout: RunLayout) -> list[ServerRecord]:
     path = layout.servers_state
     if not path.exists():
         return []
-    return [ServerRecord(**item) for item in json.loads(path.read_text())["servers"]]
+    known = {f.name for f in fields(ServerRecord)}
+    return [ServerRecord(**{k: v for k, v in item.items() if k in known})
+            for item in json.loads(path.read_text())["servers"]]
 
 
 def write_state(layout: RunLayout, records: Sequence[ServerRecord]) -> None:
     path = layout.servers_state
+    if not records:
+        path.unlink(missing_ok=True)
+        return
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds the API key
     with os.fdopen(fd, "w") as fh:
@@ -135,56 +168,118 @@ def log_tail(path: str | Path, lines: int = 20) -> str:
         return "(no log)"
 
 
-_children: dict[int, subprocess.Popen] = {}  # reaped by stop_servers when we are the parent
+@contextmanager
+def node_lock(layout: RunLayout):
+    """One process at a time starts or stops this output's servers on this node."""
+    layout.servers.mkdir(parents=True, exist_ok=True)
+    os.chmod(layout.servers, 0o700)  # logs and servers.json hold what only the owner may read
+    with open(layout.servers_lock, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
 
 
-def start_servers(cfg: RunConfig, model_path: str) -> list[ServerRecord]:
-    """Start what is not already healthy, wait for all; idempotent, so a re-run reuses servers."""
+def launch_args(cfg: RunConfig, model_path: str, port: int, api_key: str | None) -> list[str]:
+    """The argv a server of this config is launched with, its key replaced by a placeholder."""
+    return build_command(cfg, model_path, port, KEY_PLACEHOLDER if api_key else None)
+
+
+def mismatch(record: ServerRecord, cfg: RunConfig, model_path: str, fingerprint: str | None) -> str | None:
+    """Why a recorded server cannot serve this config (None when it can)."""
+    if record.node and record.node != node_name():
+        return f"it runs on node {record.node}, not {node_name()}"
+    if record.model_fingerprint != fingerprint:
+        return (f"it serves model {record.model_fingerprint} ({record.model_path}), this run "
+                f"{fingerprint} ({model_path})")
+    wanted = launch_args(cfg, model_path, record.port, record.api_key)
+    if record.launch != wanted:
+        changed = sorted(set(wanted) ^ set(record.launch or []))[:6]
+        return f"it was launched with other arguments (differing: {' '.join(changed)})"
+    if cfg.api_key and cfg.api_key != record.api_key:
+        return "it requires another API key"
+    return None
+
+
+def start_servers(cfg: RunConfig, model_path: str, run_id: str = "cli",
+                  fingerprint: str | None = None) -> list[ServerRecord]:
+    """Healthy servers of this config, reusing what already serves it; idempotent."""
+    from regen.stage import model_fingerprint
+
     layout = RunLayout(cfg.output)
-    state_dir = layout.servers
-    state_dir.mkdir(parents=True, exist_ok=True)
-    previous = {r.index: r for r in read_state(layout)}
-    slots = server_slots(cfg)
-    records: list[ServerRecord] = []
-    to_launch: list[tuple[int, int | None, int]] = []
-    for index, gpu in enumerate(slots):
-        port = cfg.base_port + index
-        old = previous.get(index)
-        if old and old.port == port and _alive(old.pid) and is_healthy(old.url):
-            log.info("server %d (port %d) is healthy: reused", index, port)
-            records.append(old)
-            continue
-        if old:
-            stop_records([old])
-        to_launch.append((index, gpu, port))
-    taken = [port for _, _, port in to_launch if not port_is_free(cfg.host, port)]
-    if taken:
-        raise ServerError(
-            f"port{'s' if len(taken) > 1 else ''} {', '.join(map(str, taken))} on {cfg.host} "
-            f"already in use: stop what holds {'them' if len(taken) > 1 else 'it'} or change base_port"
-        )
-    api_key = cfg.api_key or (records[0].api_key if records else None) or secrets.token_hex(24)
-    launched: list[tuple[ServerRecord, subprocess.Popen]] = []
+    fingerprint = fingerprint or model_fingerprint(model_path)
+    with node_lock(layout):
+        previous = {r.index: r for r in read_state(layout)}
+        records: list[ServerRecord] = []
+        to_launch: list[tuple[int, int | None, int]] = []
+        for index, gpu in enumerate(server_slots(cfg)):
+            port = cfg.base_port + index
+            old = previous.pop(index, None)
+            if old is not None and old.port == port and old.running():
+                why = mismatch(old, cfg, model_path, fingerprint)
+                if why is None and is_healthy(old.url):
+                    log.info("server %d (port %d, run %s) is healthy and serves this config: reused",
+                             index, port, old.owner)
+                    records.append(old)
+                    continue
+                if why is not None and old.owner != run_id:
+                    raise ServerError(
+                        f"server {index} on port {port} belongs to run {old.owner!r} and cannot serve "
+                        f"this one: {why}. Stop it (`regen serve --stop --run-id {old.owner}` with "
+                        f"this config) or choose another base_port/output")
+                log.info("server %d (port %d): %s; relaunching", index, port, why or "not healthy")
+            if old is not None:
+                stop_records([old])
+            to_launch.append((index, gpu, port))
+        for extra in previous.values():  # more servers recorded than this config has
+            if extra.owner == run_id or not extra.running():
+                stop_records([extra])
+            else:
+                records.append(extra)
+        taken = [port for _, _, port in to_launch if not port_is_free(cfg.host, port)]
+        if taken:
+            raise ServerError(
+                f"port{'s' if len(taken) > 1 else ''} {', '.join(map(str, taken))} on {cfg.host} "
+                f"already in use: stop what holds {'them' if len(taken) > 1 else 'it'} or change base_port")
+        api_key = cfg.api_key or (records[0].api_key if records else None) or secrets.token_hex(24)
+        launched = _launch(cfg, layout, model_path, fingerprint, run_id, api_key, to_launch, records)
+    return launched
+
+
+def _launch(cfg: RunConfig, layout: RunLayout, model_path: str, fingerprint: str | None, run_id: str,
+            api_key: str, to_launch: list[tuple[int, int | None, int]],
+            records: list[ServerRecord]) -> list[ServerRecord]:
+    started: list[tuple[ServerRecord, subprocess.Popen]] = []
     try:
         for index, gpu, port in to_launch:
             argv = build_command(cfg, model_path, port, api_key)
             log_path = layout.server_log(index)
-            with open(log_path, "ab") as log_fh:
-                proc = subprocess.Popen(argv, stdout=log_fh, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env=server_env(gpu),
-                                        start_new_session=True, cwd=state_dir)
-            _children[proc.pid] = proc
-            record = ServerRecord(index, gpu, cfg.host, port, proc.pid, str(log_path), argv, api_key)
+            proc = procs.spawn(argv, log_path, server_env(gpu), layout.servers)
+            record = ServerRecord(index, gpu, cfg.host, port, proc.pid, str(log_path), api_key,
+                                  procs.start_ticks(proc.pid), node_name(), run_id,
+                                  launch_args(cfg, model_path, port, api_key), model_path, fingerprint)
             log.info("server %d: pid %d, port %d%s, log %s", index, proc.pid, port,
                      f", GPU {gpu}" if gpu is not None else "", log_path)
-            launched.append((record, proc))
+            started.append((record, proc))
             records.append(record)
-        write_state(layout, sorted(records, key=lambda r: r.index))
-        wait_healthy(launched, cfg.startup_timeout_s)
+        records.sort(key=lambda r: r.index)
+        write_state(layout, records)
+        wait_healthy(started, cfg.startup_timeout_s)
+        for record, _ in started:
+            record.served_model = served_model_name(record)
+        write_state(layout, records)
     except BaseException:
-        stop_records([r for r, _ in launched])
+        stop_records([r for r, _ in started])
+        write_state(layout, [r for r in records if all(r is not s for s, _ in started)])
         raise
-    return sorted(records, key=lambda r: r.index)
+    return records
+
+
+def served_model_name(record: ServerRecord) -> str | None:
+    try:
+        response = httpx2.get(f"{record.url}/v1/models", timeout=10,
+                              headers={"Authorization": f"Bearer {record.api_key}"} if record.api_key else {})
+        return response.json()["data"][0]["id"]
+    except (httpx2.HTTPError, ValueError, KeyError, IndexError):
+        return None
 
 
 def wait_healthy(launched: list[tuple[ServerRecord, subprocess.Popen]], timeout_s: float) -> None:
@@ -213,72 +308,13 @@ def wait_healthy(launched: list[tuple[ServerRecord, subprocess.Popen]], timeout_
             time.sleep(0.25)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return _proc_state(pid) not in (None, "Z")
-
-
-def _proc_state(pid: int) -> str | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[0]
-
-
-def session_pids(sid: int) -> list[int]:
-    """Live (non-zombie) processes of a session: whatever a server left behind."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(entry.name))
-    return pids
-
-
-def _signal_session(sid: int, sig: int) -> None:
-    try:
-        os.killpg(sid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for pid in session_pids(sid):  # children that changed process group, still in the session
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
 def stop_records(records: Sequence[ServerRecord], grace_s: float = 30.0) -> list[str]:
     """SIGTERM each server's session, SIGKILL after ``grace_s``; return what is still left."""
-    for record in records:
-        _signal_session(record.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for record in records:
-        while session_pids(record.pid) and time.monotonic() < deadline:
-            _reap(record.pid)
-            time.sleep(0.1)
-        if session_pids(record.pid):
-            log.warning("server %d ignored SIGTERM for %.0f s: SIGKILL", record.index, grace_s)
-            _signal_session(record.pid, signal.SIGKILL)
-            kill_deadline = time.monotonic() + 10
-            while session_pids(record.pid) and time.monotonic() < kill_deadline:
-                time.sleep(0.05)
-        _reap(record.pid)
+    left = procs.stop_sessions([(r.pid, r.start_ticks, f"server {r.index}") for r in records], grace_s)
     problems = []
     for record in records:
-        left = session_pids(record.pid)
-        if left:
-            problems.append(f"server {record.index}: processes {left} still alive")
+        if left.get(f"server {record.index}"):
+            problems.append(f"server {record.index}: processes {left[f'server {record.index}']} still alive")
         if not _port_released(record.host, record.port):
             problems.append(f"server {record.index}: port {record.port} still in use")
     return problems
@@ -293,28 +329,28 @@ def _port_released(host: str, port: int, wait_s: float = 5.0) -> bool:
     return True
 
 
-def _reap(pid: int) -> None:
-    proc = _children.get(pid)
-    if proc is not None and proc.poll() is not None:
-        _children.pop(pid, None)
+def stop_servers(layout: RunLayout, run_id: str = "cli", every: bool = False,
+                 grace_s: float = 30.0) -> tuple[int, list[ServerRecord]]:
+    """Teardown: stop this run's servers (``every``: whoever owns them) and check that nothing
+    of them is left; (how many stopped, the others' records). Safe to repeat."""
+    with node_lock(layout):
+        records = read_state(layout)
+        mine = [r for r in records if every or r.owner == run_id or not r.running()]
+        others = [r for r in records if r not in mine]
+        problems = stop_records(mine, grace_s)
+        if problems:
+            raise ServerError("teardown left something behind:\n" + "\n".join(problems))
+        write_state(layout, others)
+    stopped = sum(1 for r in mine if r.running() is False)
+    if others:
+        log.info("left %d server(s) of run(s) %s running", len(others), sorted({r.owner for r in others}))
+    log.info("stopped %d server(s); no process or port of them left", stopped)
+    return stopped, others
 
 
-def stop_servers(layout: RunLayout, grace_s: float = 30.0) -> int:
-    """Teardown: stop every recorded server and check that nothing is left. Safe to repeat."""
-    records = read_state(layout)
-    if not records:
-        log.info("no servers recorded in %s: nothing to stop", layout.servers)
-        return 0
-    problems = stop_records(records, grace_s)
-    if problems:
-        raise ServerError("teardown left something behind:\n" + "\n".join(problems))
-    layout.servers_state.unlink(missing_ok=True)
-    log.info("stopped %d server(s); no process or port left", len(records))
-    return len(records)
-
-
-def recorded_endpoints(cfg: RunConfig) -> list[tuple[str, str | None]]:
-    """The servers start_servers recorded for this run; a clear message when there are none."""
+def recorded(cfg: RunConfig) -> list[ServerRecord]:
+    """The servers start_servers recorded for this output, on this node; a clear message when
+    there are none, or when they run on another node."""
     layout = RunLayout(cfg.output)
     records = read_state(layout)
     if not records:
@@ -323,23 +359,40 @@ def recorded_endpoints(cfg: RunConfig) -> list[tuple[str, str | None]]:
             f"or stop_servers already ran. Clear the run from start_servers (untick 'only failed'), "
             f"or start them with `regen serve --config ...`"
         )
-    return [(r.url, r.api_key) for r in records]
+    elsewhere = sorted({r.node for r in records if r.node and r.node != node_name()})
+    if elsewhere:
+        raise ServerError(f"this output's servers run on node {', '.join(elsewhere)}; this task runs on "
+                          f"{node_name()}: route the run's tasks to that node's queue")
+    return records
 
 
 # --- the stages ---------------------------------------------------------------------------------
 
-def serve(cfg: RunConfig, served_model_path: str | None = None) -> dict:
-    """The start_servers stage: healthy servers serving ``served_model_path`` (the staged copy)."""
-    records = start_servers(cfg, served_model_path or cfg.model_path)
+def serve(cfg: RunConfig, served_model_path: str | None = None, run_id: str = "cli") -> dict:
+    """The start_servers stage: healthy servers serving ``served_model_path`` (the staged copy),
+    owned by ``run_id``; the model's identity goes into the run manifest."""
+    from regen.manifest import Manifest
+
+    model_path = served_model_path or cfg.model_path
+    manifest = Manifest(RunLayout(cfg.output))
+    staged = manifest.read().get("model") or {}
+    fingerprint = staged.get("fingerprint") if staged.get("path") == model_path else None
+    records = start_servers(cfg, model_path, run_id, fingerprint)
+    manifest.update(model={**staged, "path": model_path, "fingerprint": records[0].model_fingerprint,
+                           "served": [r.public() for r in records],
+                           "launch": records[0].launch})
     urls = [r.url for r in records]
-    return {"urls": urls, "servers": [_public(r) for r in records],
+    return {"urls": urls, "servers": [r.public() for r in records],
             "summary": f"{len(urls)} server(s) healthy: {', '.join(urls)}"}
 
 
-def stop(cfg: RunConfig) -> dict:
-    """The stop_servers stage (teardown)."""
-    stopped = stop_servers(RunLayout(cfg.output))
-    return {"stopped": stopped, "summary": f"stopped {stopped} server(s)"}
+def stop(cfg: RunConfig, run_id: str = "cli", every: bool = False) -> dict:
+    """The stop_servers stage (teardown): this run's servers (``every``: all recorded ones)."""
+    stopped, others = stop_servers(RunLayout(cfg.output), run_id, every)
+    summary = f"stopped {stopped} server(s)"
+    if others:
+        summary += f"; left {len(others)} of run(s) {', '.join(sorted({r.owner for r in others}))}"
+    return {"stopped": stopped, "left": [r.public() for r in others], "summary": summary}
 
 
 def logs(cfg: RunConfig, lines: int = 40) -> dict:
@@ -349,10 +402,3 @@ def logs(cfg: RunConfig, lines: int = 40) -> dict:
                      f"{log_tail(r.log_path, lines)}" for r in records)
     return {"servers": len(records), "logs": text,
             "summary": text or f"no servers recorded in {RunLayout(cfg.output).servers}"}
-
-
-def _public(record: ServerRecord) -> dict:
-    """A record without its API key: what a result document and a log may carry."""
-    return {"index": record.index, "url": record.url, "pid": record.pid, "gpu": record.gpu,
-            "log": record.log_path}
-

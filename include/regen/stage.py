@@ -162,12 +162,21 @@ def verify_copy(src: Path, copy: Path, manifest: dict[str, dict]) -> dict[str, s
 
 
 def stage_weights(cfg: RunConfig) -> dict:
-    """The stage: the path the servers load (the staged copy, or the source when staging is off)."""
+    """The stage: the path the servers load (the staged copy, or the source when staging is off)
+    and its fingerprint, computed once, from that copy, into the run manifest."""
+    from regen.layout import RunLayout
+    from regen.manifest import Manifest
+
     if not cfg.stage_weights:
-        return {"path": cfg.model_path, "copied": False, "bytes": 0, "seconds": 0.0,
-                "summary": f"staging off: the servers load {cfg.model_path}"}
-    result = stage_model(cfg.model_path, cfg.staging_dir)
-    what = (f"staged {format_bytes(result.bytes)} in {result.seconds:.1f} s" if result.copied
-            else "already staged")
-    return {"path": str(result.path), "copied": result.copied, "bytes": result.bytes,
-            "seconds": round(result.seconds, 3), "summary": f"{what}: {result.path}"}
+        doc = {"path": cfg.model_path, "copied": False, "bytes": 0, "seconds": 0.0,
+               "summary": f"staging off: the servers load {cfg.model_path}"}
+    else:
+        result = stage_model(cfg.model_path, cfg.staging_dir)
+        what = (f"staged {format_bytes(result.bytes)} in {result.seconds:.1f} s" if result.copied
+                else "already staged")
+        doc = {"path": str(result.path), "copied": result.copied, "bytes": result.bytes,
+               "seconds": round(result.seconds, 3), "summary": f"{what}: {result.path}"}
+    doc["fingerprint"] = model_fingerprint(doc["path"])
+    Manifest(RunLayout(cfg.output)).update(model={"source": cfg.model_path, "path": doc["path"],
+                                                  "fingerprint": doc["fingerprint"]})
+    return doc

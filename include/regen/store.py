@@ -37,6 +37,7 @@ ROW_SCHEMA = pa.schema([
     ("server", pa.string()),
     ("attempts", pa.int32()),
     ("latency_s", pa.float64()),
+    ("prompt_hash", pa.string()),
     ("settings_hash", pa.string()),
 ])
 
@@ -119,25 +120,30 @@ class ShardStore:
             fh.flush()
             yield
 
-    def settled_ids(self) -> set[str]:
-        """Ids that need no new request: a good row, or an error no retry can fix (a 4xx)."""
+    def settled(self, hashes: dict[str, str], settings_hash: str) -> tuple[set[str], set[str]]:
+        """(ids that need no new request, ids the shard file holds now). A row settles its id when
+        it is this run's (the id's prompt hash, this settings hash) and good, or failed in a way no
+        retry fixes (a 4xx); rows of other prompts or settings settle nothing."""
+        def ours(row: dict) -> bool:
+            return (hashes.get(row["id"]) == row.get("prompt_hash")
+                    and row.get("settings_hash") == settings_hash)
+
         settled: set[str] = set()
+        file_ids: set[str] = set()
+        if self.final.exists():
+            table = pq.read_table(self.final, columns=["id", "error", "prompt_hash", "settings_hash"])
+            for row in table.to_pylist():
+                file_ids.add(row["id"])
+                if ours(row) and row["error"] is None:
+                    settled.add(row["id"])
         for row in Journal.rows(self.journal_path):
+            if not ours(row):
+                continue
             if row.get("error") is None or not row.get("retryable", False):
                 settled.add(row["id"])
             else:
                 settled.discard(row["id"])
-        return settled
-
-    def reusable_ids(self, settings_hash: str) -> set[str]:
-        """Ids of the existing shard file whose row is good and was made with the same model and
-        settings: an incremental run does not send them again."""
-        if not self.final.exists():
-            return set()
-        table = pq.read_table(self.final, columns=["id", "error", "settings_hash"])
-        return {i for i, e, h in zip(table["id"].to_pylist(), table["error"].to_pylist(),
-                                     table["settings_hash"].to_pylist())
-                if e is None and h == settings_hash}
+        return settled, file_ids
 
     def _rows(self) -> Iterator[dict]:
         """The shard's existing rows, then the journal's: later rows win."""
@@ -146,13 +152,18 @@ class ShardStore:
                 yield from batch.to_pylist()
         yield from Journal.rows(self.journal_path)
 
-    def publish(self, ids: set[str], batch_rows: int = 1000) -> int:
-        """The last row of each current prompt id, streamed in batches into a file beside the
-        journal, then renamed over the shard's file; the journal goes. Returns the row count."""
+    def publish(self, hashes: dict[str, str], settings_hash: str, batch_rows: int = 1000) -> int:
+        """The last row of this run for each of the shard's ids (``hashes``: id -> prompt hash),
+        streamed in batches into a file beside the journal, then renamed over the shard's file;
+        the journal goes. Refused unless the file would hold exactly the shard's ids."""
         last: dict[str, int] = {}
         for index, row in enumerate(self._rows()):
-            if row["id"] in ids:
+            if hashes.get(row["id"]) == row.get("prompt_hash") and row.get("settings_hash") == settings_hash:
                 last[row["id"]] = index
+        if len(last) != len(hashes):
+            missing = sorted(set(hashes) - set(last))
+            raise ShardFailed(f"{self.name}: has rows for {len(last):,} of its {len(hashes):,} prompts "
+                              f"(missing e.g. {missing[:3]}); nothing published, the journal is kept")
         keep = set(last.values())
         tmp = self.journal_path.with_suffix(".parquet.tmp")
         count = 0

@@ -1,0 +1,293 @@
+"""Every row provably from this run's prompts, model and settings (issue: integrity).
+
+Real simulated servers and real processes throughout; where the issue says killed, SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from conftest import BIN, ROOT, read_ids, wait_until
+from regen.audit import AuditThresholds, audit_dataset
+from regen.config import RunConfig
+from regen.dispatch import ClientTuning, ShardFailed
+from regen.generate import ShardRun, generate
+from regen.layout import RunLayout
+from regen.manifest import Manifest, ManifestError, settings_hash
+from regen.pipeline import run
+from regen.preflight import PreflightFailed, preflight
+from regen.servers import ServerError, read_state, serve, start_servers, stop, stop_records
+from regen.stage import model_fingerprint, stage_weights
+from regen.store import Journal
+from test_generate import sim_requests_total, sim_running
+
+FAST = ClientTuning(retry_backoff_s=0.02, retry_backoff_max_s=0.2, probe_interval_s=0.1,
+                    progress_interval_s=0.5, all_down_timeout_s=10)
+DEMO = [json.loads(line) for line in (ROOT / "demo" / "prompts.jsonl").read_text().splitlines()]
+
+
+def write_prompts(path: Path, count: int, drop=(), edit=()) -> Path:
+    """``count`` prompts with ids p0..; ``drop`` leaves ids out, ``edit`` changes their text."""
+    with path.open("w") as fh:
+        for i in range(count):
+            if i in drop:
+                continue
+            record = dict(DEMO[i % len(DEMO)], id=f"p{i}")
+            if i in edit:
+                record = {"id": f"p{i}", "prompt": f"An edited question, number {i}?"}
+            fh.write(json.dumps(record) + "\n")
+    return path
+
+
+def requests_total(records) -> int:
+    return sum(sim_requests_total(r.url) for r in records)
+
+
+def rows_written(output: Path) -> set[str]:
+    """Ids with a row anywhere: published shard files and journals."""
+    layout = RunLayout(output)
+    ids = set()
+    for path in layout.shard_files():
+        ids |= set(pd.read_parquet(path, columns=["id"])["id"])
+    for journal in (layout.work / "journal").glob("*.jsonl"):
+        ids |= {row["id"] for row in Journal.rows(journal)}
+    return ids
+
+
+def kill_when(proc: subprocess.Popen, output: Path, rows: int) -> set[str]:
+    """SIGKILL ``proc`` once ``rows`` ids have a row; the ids written by then."""
+    try:
+        wait_until(lambda: len(rows_written(output)) >= rows or proc.poll() is not None, 120, f"{rows} rows")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    return rows_written(output)
+
+
+def cli(*args: str) -> list[str]:
+    return [str(BIN / "regen"), "--no-progress-bar", "generate", *args]
+
+
+def settle(records) -> None:
+    """Requests in flight at a kill finish on the servers before anything is counted."""
+    for r in records:
+        wait_until(lambda: sim_running(r.url) == 0, 30, "servers idle")
+
+
+def test_rows_of_other_settings_in_the_journal_are_regenerated_not_kept(sim_servers, tmp_path):
+    """(1) thinking off, SIGKILL after ~400 of 1,200 rows, the same command with thinking on."""
+    cfg, records = sim_servers(num_servers=2, sim_ttft_s=0.05, concurrency_per_server=6)
+    prompts = write_prompts(tmp_path / "p.jsonl", 1200)
+    out = tmp_path / "ds"
+    base = ["--prompts", str(prompts), "--output", str(out), "--endpoints", ",".join(r.url for r in records),
+            "--api-key", records[0].api_key, "--num-shards", "1", "--concurrency-per-server", "6"]
+    proc = subprocess.Popen(cli(*base, "--no-thinking"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    off = kill_when(proc, out, 400)
+    settle(records)
+    assert 400 <= len(off) < 1200
+    before = requests_total(records)
+    rerun = subprocess.run(cli(*base), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert requests_total(records) - before == 1200  # not one thinking-off row was kept
+    df = pd.read_parquet(out / "data")
+    assert len(df) == 1200 and df["id"].is_unique
+    assert df["settings_hash"].nunique() == 1 and df["enable_thinking"].all()
+    assert df["reasoning_content"].notna().all()
+
+
+def test_deleted_prompts_leave_the_dataset_and_edited_ones_are_regenerated(sim_servers, tmp_path):
+    """(2) 100 prompts deleted, (3) 100 edited: only the edited are sent, the deleted are gone."""
+    cfg, records = sim_servers(num_servers=1, num_shards=2)
+    prompts = write_prompts(tmp_path / "p.jsonl", 400)
+    cfg = cfg.model_copy(update={"prompts": str(prompts)})
+    for shard in range(2):
+        run(generate, cfg, shard=shard)
+    before = requests_total(records)
+    write_prompts(prompts, 400, drop=range(0, 100), edit=range(100, 200))
+    for shard in range(2):
+        run(generate, cfg, shard=shard)
+    assert requests_total(records) - before == 100  # exactly the edited prompts
+    df = pd.read_parquet(Path(cfg.output) / "data").set_index("id")
+    assert sorted(df.index) == sorted(f"p{i}" for i in range(100, 400))
+    assert df.loc["p150", "messages"][0]["content"] == "An edited question, number 150?"
+    again = requests_total(records)
+    for shard in range(2):
+        assert run(generate, cfg, shard=shard)["done"] == 0  # up to date: nothing sent
+    assert requests_total(records) == again
+
+
+@pytest.mark.parametrize("form", ["endpoints", "config"])
+def test_the_same_command_after_a_kill_resends_at_most_what_was_in_flight(sim_servers, tmp_path, form):
+    """(4) killed mid-run, the identical command again: finished shards are not regenerated."""
+    cfg, records = sim_servers(num_servers=2, sim_ttft_s=0.03, concurrency_per_server=4, num_shards=3)
+    prompts = write_prompts(tmp_path / "p.jsonl", 900)
+    if form == "endpoints":
+        argv = cli("--prompts", str(prompts), "--output", str(tmp_path / "ds"), "--endpoints",
+                   ",".join(r.url for r in records), "--api-key", records[0].api_key, "--num-shards", "3",
+                   "--concurrency-per-server", "4")
+        output = tmp_path / "ds"
+    else:
+        config = tmp_path / "run.yaml"
+        config.write_text(yaml.safe_dump({**json.loads(cfg.model_dump_json()), "prompts": str(prompts)}))
+        argv = cli("--config", str(config))
+        output = Path(cfg.output)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    written = kill_when(proc, output, 450)
+    settle(records)
+    assert 450 <= len(written) < 900  # killed in the middle
+    sent_before = requests_total(records)
+    rerun = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert requests_total(records) - sent_before == 900 - len(written)
+    in_flight_at_kill = sent_before - len(written)
+    assert 0 <= in_flight_at_kill <= 2 * 4  # what was in flight: the only requests made twice
+    df = pd.read_parquet(output / "data")
+    assert len(df) == 900 and df["id"].is_unique
+
+
+def test_a_recorded_server_that_does_not_match_is_never_used(make_config, tiny_model, tmp_path):
+    """(5) a healthy server on a recorded port: reused only if it serves this run's model with
+    this run's arguments; another run's mismatching server is refused, naming why; a teardown
+    stops only its own run's servers."""
+    import shutil
+
+    other_model = tmp_path / "other-model"
+    shutil.copytree(tiny_model, other_model)
+    (other_model / "extra.bin").write_bytes(b"another checkpoint")
+    cfg = make_config(num_servers=1)
+    first = start_servers(cfg, cfg.model_path, run_id="dag/run-1")
+    try:
+        with pytest.raises(ServerError, match=r"belongs to run 'dag/run-1'.*serves model"):
+            start_servers(cfg, str(other_model), run_id="dag/run-2")
+        with pytest.raises(ServerError, match=r"launched with other arguments.*--max-running-requests"):
+            start_servers(cfg.model_copy(update={"max_running_requests": 4}), cfg.model_path,
+                          run_id="dag/run-2")
+        shared = start_servers(cfg, cfg.model_path, run_id="dag/test-run")  # same model, same args
+        assert [r.pid for r in shared] == [r.pid for r in first]
+        assert run(stop, cfg, run_id="dag/test-run")["stopped"] == 0
+        assert first[0].running()  # the test run's teardown left the owner's server alone
+        relaunched = start_servers(cfg.model_copy(update={"max_running_requests": 4}), cfg.model_path,
+                                   run_id="dag/run-1")  # the owner itself: relaunched, not refused
+        assert relaunched[0].pid != first[0].pid and not first[0].running()
+    finally:
+        stop_records(read_state(RunLayout(cfg.output)), grace_s=5)
+
+
+def test_a_reused_pid_is_never_signalled(tmp_path):
+    """(5) a recorded server whose PID now belongs to another process is not that process."""
+    from regen.servers import ServerRecord
+
+    other = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        stale = ServerRecord(0, None, "127.0.0.1", 1, other.pid, "/dev/null", None, start_ticks=1)
+        assert not stale.running()
+        assert stop_records([stale], grace_s=1) == []
+        assert other.poll() is None  # still alive: never signalled
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_rows_carry_the_fingerprint_of_the_copy_the_servers_loaded(make_config, tmp_path, tiny_model):
+    """(6) the checkpoint rewritten in place mid-run: rows still name what the servers serve."""
+    import shutil
+
+    source = tmp_path / "ckpt"
+    shutil.copytree(tiny_model, source)
+    cfg = make_config(model_path=str(source), num_servers=1, num_shards=1)
+    staged = run(stage_weights, cfg)
+    run(serve, cfg, served_model_path=staged["path"])
+    try:
+        weights = next(source.glob("*.safetensors"))
+        with open(weights, "r+b") as fh:  # retrained in place while the run goes on
+            fh.write(b"\x01" * 64)
+        assert model_fingerprint(source) != staged["fingerprint"]
+        run(generate, cfg, shard=0)
+    finally:
+        run(stop, cfg)
+    df = pd.read_parquet(Path(cfg.output) / "data")
+    assert set(df["settings_hash"]) == {settings_hash(staged["fingerprint"], cfg.sampling())}
+    assert Manifest(RunLayout(cfg.output)).read()["model"]["fingerprint"] == staged["fingerprint"]
+
+
+def test_more_shards_than_airflow_can_map_fail_preflight(make_config):
+    """(7) num_shards above max_map_length: refused before any GPU time, naming both numbers."""
+    with pytest.raises(PreflightFailed) as err:
+        run(preflight, make_config(num_shards=1100), code=False, max_map_length=1024)
+    assert any("num_shards 1100 is above this Airflow's max_map_length 1024" in p for p in err.value.problems)
+
+
+def test_a_prompt_file_changed_while_shards_run_fails_them_and_loses_nothing(sim_servers, tmp_path):
+    """(8) the file changes under running shards: the shard that reads a changed record fails
+    clearly (finished rows kept), and one that starts afterwards refuses the stale manifest."""
+    prompts = write_prompts(tmp_path / "p.jsonl", 300)
+    cfg, records = sim_servers(num_servers=1, sim_tokens_per_second=300, concurrency_per_server=2,
+                               prompts=str(prompts), num_shards=2)
+    run(preflight, cfg, code=False)
+    endpoints = [(r.url, r.api_key) for r in records]
+    fingerprint = model_fingerprint(cfg.model_path)
+    errors: list[BaseException] = []
+
+    def shard0():
+        try:
+            ShardRun(cfg, endpoints, 0, fingerprint, FAST, rebuild_index=False).run()
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            errors.append(exc)
+
+    worker = threading.Thread(target=shard0)
+    worker.start()
+    journal = RunLayout(cfg.output).journal(0, 2)
+    wait_until(lambda: journal.exists() and journal.read_bytes().count(b"\n") >= 10, 60, "10 rows")
+    write_prompts(prompts, 300, edit=range(0, 300))  # every record rewritten in place
+    worker.join(timeout=120)
+    assert len(errors) == 1 and isinstance(errors[0], ShardFailed)
+    assert "changed while the run went on" in str(errors[0])
+    assert sum(1 for _ in Journal.rows(journal)) >= 10  # what was finished is kept
+    assert not RunLayout(cfg.output).shard_file(0, 2).exists()  # nothing half-true published
+    with pytest.raises(ManifestError, match="changed since preflight"):
+        ShardRun(cfg, endpoints, 1, fingerprint, FAST, rebuild_index=False).run()
+
+
+def test_a_shard_publishes_only_when_it_holds_exactly_its_ids(tmp_path):
+    from regen.store import ShardStore
+
+    store = ShardStore(RunLayout(tmp_path / "ds"), 0, 1)
+    journal = Journal(store.journal_path)
+    journal.append({"id": "a", "prompt_hash": "ha", "settings_hash": "s", "error": None})
+    journal.close()
+    with pytest.raises(ShardFailed, match="rows for 1 of its 2 prompts"):
+        store.publish({"a": "ha", "b": "hb"}, "s")
+    assert not store.final.exists() and store.journal_path.exists()
+
+
+def test_the_audit_fails_rows_this_run_did_not_produce(sim_servers, tmp_path):
+    """Mixed settings and stale prompts fail the audit; rows are counted per settings hash."""
+    cfg, records = sim_servers(num_servers=1, num_shards=2)
+    prompts = write_prompts(tmp_path / "p.jsonl", 200)
+    cfg = cfg.model_copy(update={"prompts": str(prompts)})
+    run(preflight, cfg, code=False)
+    run(generate, cfg, shard=0)
+    run(generate, cfg.model_copy(update={"max_tokens": 900}), shard=1)  # another setting
+    write_prompts(prompts, 200, edit=[3])
+    run(preflight, cfg, code=False)  # the next run's manifest: p3 is not what it was
+    report = audit_dataset(cfg.output, cfg.model_path, tmp_path / "audit", AuditThresholds(1, 1.0))
+    doc = report.to_json()
+    assert doc["verdict"] == "FAIL"
+    per_hash = doc["provenance"]["rows_per_settings_hash"]
+    files = {pd.read_parquet(p)["settings_hash"].iloc[0]: len(pd.read_parquet(p))
+             for p in RunLayout(cfg.output).shard_files()}
+    assert per_hash == files  # two settings, counted
+    run_hash = Manifest(RunLayout(cfg.output)).read()["settings_hash"]
+    assert doc["provenance"]["settings_hash"] == run_hash
+    assert doc["counts"]["foreign_settings"] == sum(n for h, n in files.items() if h != run_hash)
+    assert doc["counts"]["stale_prompt"] == 1
+    assert "NOT THIS RUN'S" in doc["summary"][3]
