@@ -36,6 +36,9 @@ SCHEDULE = AssetAny(*(Asset(uri) for uri in _spec)) if isinstance(_spec, list) e
 # On a Celery cluster, the queue of the GPU node's worker, and a pool bounding shards in flight.
 QUEUE = os.environ.get("REGEN_QUEUE", "default")
 SHARD_POOL = os.environ.get("REGEN_POOL", "default_pool")
+# Automatic retries of a shard (each resumes from its journal) and the pause before each.
+SHARD_RETRIES = int(os.environ.get("REGEN_SHARD_RETRIES", "2"))
+SHARD_RETRY_DELAY = timedelta(seconds=float(os.environ.get("REGEN_SHARD_RETRY_DELAY_S", "30")))
 
 
 def _config(params):
@@ -85,23 +88,27 @@ def start_servers(served_model_path: str, params=None) -> list[str]:
 def canary(params=None) -> dict:
     from regen.canary import canary
 
-    return _run(canary, params)["estimate"]
+    return _run(canary, params, run_id=_run_id())["estimate"]
 
 
-@task(retries=2, retry_delay=timedelta(seconds=30), map_index_template="{{ shard_label }}",
+@task(retries=SHARD_RETRIES, retry_delay=SHARD_RETRY_DELAY, map_index_template="{{ shard_label }}",
       pool=SHARD_POOL)
 def generate(shard: int, params=None) -> str:
     from regen.generate import generate
 
     get_current_context()["shard_label"] = f"shard {shard}/{params['num_shards']}"
-    return _run(generate, params, shard=shard, strict_index=True)["summary"]
+    return _run(generate, params, shard=shard, strict_index=True, run_id=_run_id())["summary"]
 
 
 @task(retries=0, outlets=[DATASET])
 def audit(params=None) -> dict:
     from regen.audit import audit
+    from regen.servers import stop
 
     cfg = _config(params)
+    # Generation is over: this run's servers go, also when a shard brought them up itself after
+    # the teardown had run (a run cleared with "only failed" does not run the teardown again).
+    _run(stop, params, run_id=_run_id())
     summary = _run(audit, params)
     uri = f"file://{cfg.ssh_conn_id or ''}{cfg.output}/data"
     get_current_context()["outlet_events"][DATASET].add(Asset(uri), extra={

@@ -244,3 +244,28 @@ def wait_run(api, run_id: str, timeout: float) -> str:
     path = f"/dags/regenerate_dataset/dagRuns/{run_id}"
     wait_until(lambda: api.get(path).json()["state"] in ("success", "failed"), timeout, "the run")
     return api.get(path).json()["state"]
+
+
+@pytest.fixture(scope="session")
+def airflow(tmp_path_factory):
+    """`airflow standalone` on loopback (SQLite, LocalExecutor), shared by the UI and clear tests;
+    about 40 s to start. Yields its base URL, an admin token and its home."""
+    import json
+
+    import httpx
+
+    home = tmp_path_factory.mktemp("standalone")
+    port = free_port_base(1)
+    cluster = AirflowProcesses(home, airflow_env(home, port, REGEN_SHARD_RETRIES="0"))
+    cluster.start("standalone", "standalone")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        cluster.wait_api(base)
+        passwords = home / "simple_auth_manager_passwords.json.generated"
+        wait_until(passwords.exists, 60, "admin password")
+        password = json.loads(passwords.read_text())["admin"]
+        token = httpx.post(f"{base}/auth/token", json={"username": "admin", "password": password},
+                           timeout=30).json()["access_token"]
+        yield {"base": base, "token": token, "home": home}
+    finally:
+        cluster.stop()

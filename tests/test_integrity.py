@@ -6,7 +6,6 @@ Real simulated servers and real processes throughout; where the issue says kille
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import threading
@@ -16,9 +15,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import BIN, ROOT, read_ids, wait_until
+from conftest import BIN, ROOT, wait_until
 from regen.audit import AuditThresholds, audit_dataset
-from regen.config import RunConfig
 from regen.dispatch import ClientTuning, ShardFailed
 from regen.generate import ShardRun, generate
 from regen.layout import RunLayout

@@ -7,34 +7,13 @@ test-artifacts/run-page.png.
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 
-from conftest import ROOT, AirflowProcesses, airflow_env, free_port_base, trigger_run, wait_run, wait_until
+from conftest import ROOT, trigger_run, wait_run
 
 ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM = "/usr/bin/chromium"
-
-
-@pytest.fixture(scope="module")
-def airflow(tmp_path_factory):
-    home = tmp_path_factory.mktemp("standalone")
-    port = free_port_base(1)
-    cluster = AirflowProcesses(home, airflow_env(home, port))
-    cluster.start("standalone", "standalone")
-    base = f"http://127.0.0.1:{port}"
-    try:
-        cluster.wait_api(base)
-        passwords = home / "simple_auth_manager_passwords.json.generated"
-        wait_until(passwords.exists, 60, "admin password")
-        password = json.loads(passwords.read_text())["admin"]
-        token = httpx.post(f"{base}/auth/token", json={"username": "admin", "password": password},
-                           timeout=30).json()["access_token"]
-        yield {"base": base, "token": token, "home": home}
-    finally:
-        cluster.stop()
 
 
 @pytest.mark.slow

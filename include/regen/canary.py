@@ -102,11 +102,13 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
     return result
 
 
-def canary(cfg: RunConfig) -> dict:
-    """The canary stage, against the servers start_servers recorded."""
-    from regen.servers import recorded
+def canary(cfg: RunConfig, run_id: str | None = None) -> dict:
+    """The canary stage, against the servers start_servers recorded (with ``run_id``, brought up
+    here when they are gone, as a shard does)."""
+    from regen.servers import ensure, recorded
 
-    result = run_canary(cfg, [(r.url, r.api_key) for r in recorded(cfg)])
+    records = ensure(cfg, run_id) if run_id else recorded(cfg)
+    result = run_canary(cfg, [(r.url, r.api_key) for r in records])
     if result.problems:
         raise CanaryFailed("\n".join(result.problems))
     return {"passed": True, "samples": len(result.rows), "estimate": result.estimate,

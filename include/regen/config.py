@@ -199,6 +199,14 @@ class RunConfig(BaseModel):
         "Empty: the interpreter running regen.",
         json_schema_extra=_section("Servers"),
     )
+    idle_shutdown_s: float | None = Field(
+        300.0,
+        gt=0,
+        title="Idle shutdown (s)",
+        description="Servers that no shard or canary has used for this long stop by themselves, "
+        "whatever happens to Airflow (a watchdog on the node). Empty: never.",
+        json_schema_extra=_section("Servers"),
+    )
     extra_server_args: list[str] = Field(
         default_factory=list,
         title="Extra server arguments",
@@ -262,8 +270,18 @@ class RunConfig(BaseModel):
         None,
         ge=1,
         title="Concurrency per server",
-        description="Requests in flight per server. Empty: what the server reports it can run "
-        "(`/server_info`); never more than that.",
+        description="Requests in flight per server, all shards on the node together. Empty: what "
+        "the server reports it runs at once (`/server_info`) plus the queue margin; never more.",
+        json_schema_extra=_section("Generation"),
+    )
+    queue_margin: int = Field(
+        4,
+        ge=0,
+        le=1024,
+        title="Queue margin per server",
+        description="Requests kept waiting at each server beyond what it runs at once, so its "
+        "batch stays full between requests. Every shard on the node shares one budget per "
+        "server: its effective limit plus this margin.",
         json_schema_extra=_section("Generation"),
     )
     request_timeout_s: float = Field(

@@ -13,6 +13,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import httpx2
 
@@ -20,6 +21,9 @@ from regen.config import RunConfig
 from regen.engines import Engine, engine, engine_of_server
 from regen.errors import RegenError
 from regen.transport import StreamTransport
+
+if TYPE_CHECKING:
+    from regen.budget import NodeShare, SlotBudget
 
 log = logging.getLogger("regen.dispatch")
 # httpx2 logs every request at INFO: a million lines in a task log, and a measurable share of
@@ -45,6 +49,7 @@ class ClientTuning:
     probe_interval_s: float = 2.0
     all_down_timeout_s: float = 60.0
     progress_interval_s: float = 5.0
+    rebalance_interval_s: float = 0.5
     default_concurrency: int = 32  # per server, when neither the config nor the server says
 
 
@@ -53,7 +58,9 @@ class Endpoint:
     url: str
     api_key: str | None = None
     engine: Engine | None = None
-    limit: int = 1
+    size: int = 1  # this server's budget on the node: its effective limit plus the queue margin
+    limit: int = 1  # the slots of that budget this process holds now
+    budget: "SlotBudget | None" = field(default=None, repr=False)
     model: str | None = None
     served_path: str | None = None
     info: dict = field(default_factory=dict)
@@ -99,9 +106,11 @@ class ServerPool:
     makespan from the ideal.
     """
 
-    def __init__(self, endpoints: list[Endpoint], tuning: ClientTuning):
+    def __init__(self, endpoints: list[Endpoint], tuning: ClientTuning, share: "NodeShare | None" = None):
         self.endpoints = endpoints
         self.tuning = tuning
+        self.share = share
+        self.demand = sum(e.size for e in endpoints)  # requests still to make; the caller updates it
         self.cond = asyncio.Condition()
         self.draining = False
         self._tickets = 0
@@ -110,10 +119,23 @@ class ServerPool:
         for endpoint in endpoints:
             if not endpoint.healthy:
                 self._start_probe(endpoint)
+        if share is not None:
+            share.rebalance(self.demand)
+            self._probes.add(asyncio.create_task(self._rebalancer()))
 
     @property
     def capacity(self) -> int:
-        return sum(e.limit for e in self.endpoints)
+        """The most requests this pool may ever have in flight (every slot of every budget)."""
+        return sum(e.size for e in self.endpoints)
+
+    async def _rebalancer(self) -> None:
+        """Hold the fair share of each server's budget as shards come and go."""
+        while True:
+            await asyncio.sleep(self.tuning.rebalance_interval_s)
+            in_use = sum(e.in_flight for e in self.endpoints)
+            self.share.rebalance(max(self.demand, in_use))
+            async with self.cond:
+                self.cond.notify_all()
 
     async def acquire(self, avoid: Endpoint | None = None) -> tuple[Endpoint, int]:
         async with self.cond:
@@ -153,6 +175,8 @@ class ServerPool:
         def next_free(e: Endpoint) -> float:
             if e.in_flight < e.limit:
                 return now
+            if not e.starts:  # no slot held here now
+                return float("inf")
             return max(now, min(e.starts.values()) + e.latency_s)
 
         best = min(healthy, key=lambda e: next_free(e) + e.latency_s)
@@ -202,6 +226,8 @@ class ServerPool:
     def close(self) -> None:
         for task in self._probes:
             task.cancel()
+        if self.share is not None:
+            self.share.close()
 
 
 async def discover(url: str, api_key: str | None, cfg: RunConfig, tuning: ClientTuning) -> Endpoint:
@@ -220,10 +246,14 @@ async def discover(url: str, api_key: str | None, cfg: RunConfig, tuning: Client
         endpoint.info = await _server_info(endpoint)
         endpoint.served_path = endpoint.served_path or endpoint.engine.served_model_path(endpoint.info)
     reported = endpoint.engine.effective_limit(endpoint.info, None)
-    limit = cfg.concurrency_per_server or reported or tuning.default_concurrency
-    endpoint.limit = max(1, min(limit, reported) if reported else limit)
+    if reported:
+        budget = reported + cfg.queue_margin
+        endpoint.size = min(cfg.concurrency_per_server, budget) if cfg.concurrency_per_server else budget
+    else:
+        endpoint.size = cfg.concurrency_per_server or tuning.default_concurrency
+    endpoint.limit = endpoint.size
     await endpoint.transport.aclose()
-    endpoint.connect(cfg, endpoint.limit)
+    endpoint.connect(cfg, endpoint.size)
     return endpoint
 
 

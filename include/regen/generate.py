@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
 
+from regen.budget import NodeShare
 from regen.client import Generator, Request
 from regen.config import RunConfig
 from regen.dispatch import ClientTuning, ServerPool, ShardFailed, open_endpoints, scrape_metrics
@@ -75,8 +76,9 @@ class ShardRun:
     def __init__(self, cfg: RunConfig, endpoints: list[tuple[str, str | None]], shard: int,
                  model_identity: str | None, tuning: ClientTuning | None = None,
                  on_row: Callable[[dict], None] | None = None, rebuild_index: bool = True,
-                 expected_models: dict[str, str] | None = None):
+                 expected_models: dict[str, str] | None = None, run_id: str = "cli"):
         self.cfg = cfg
+        self.run_id = run_id
         self.endpoints = endpoints
         self.tuning = tuning or ClientTuning()
         self.on_row = on_row
@@ -153,7 +155,9 @@ class ShardRun:
                 log.info("%s: %d prompts, %d already have a row, %d to send", self.store.name, total,
                          skipped, total - skipped)
                 journal = Journal(self.store.journal_path)
-                pool = ServerPool(eps, self.tuning)
+                share = NodeShare(self.layout, f"shard-{self.shard:05d}", self.run_id, eps)
+                pool = ServerPool(eps, self.tuning, share)
+                pool.demand = total - skipped
                 self.gen = Generator(pool, self.cfg, self.tuning, lambda row: self._sink(journal, row))
                 self._report()
                 reporter = asyncio.create_task(self._reporter())
@@ -189,6 +193,7 @@ class ShardRun:
                               f"{exc.strerror or exc}") from exc
         if self.on_row is not None:
             self.on_row(row)
+        self.gen.pool.demand = self.total - self.skipped - self.gen.done - self.gen.failed
         if row["error"] is not None:
             self._check_errors()
 
@@ -231,12 +236,14 @@ class ShardRun:
 
 
 def generate(cfg: RunConfig, shard: int, endpoints: list[str] | None = None,
-             model_from: str = "servers", strict_index: bool = False) -> dict:
+             model_from: str = "servers", strict_index: bool = False, run_id: str | None = None) -> dict:
     """The generate stage. Default: the servers start_servers recorded, and the model identity it
-    recorded (the fingerprint of the copy they loaded). ``endpoints``: URLs of running servers;
-    their model's identity is then what they report (``model_from="servers"``) or the config's
-    model directory (``"model_path"``). ``strict_index``: the manifest must be the one this run's
-    preflight wrote (a DAG shard); else the prompt file is indexed here when needed."""
+    recorded (the fingerprint of the copy they loaded); with ``run_id`` (a DAG shard), servers
+    that are gone are brought up here first, so any retry path resumes the shard.
+    ``endpoints``: URLs of running servers; their model's identity is then what they report
+    (``model_from="servers"``) or the config's model directory (``"model_path"``).
+    ``strict_index``: the manifest must be the one this run's preflight wrote (a DAG shard); else
+    the prompt file is indexed here when needed."""
     if endpoints:
         from regen.stage import model_fingerprint
 
@@ -244,9 +251,9 @@ def generate(cfg: RunConfig, shard: int, endpoints: list[str] | None = None,
         identity = model_fingerprint(cfg.model_path) if model_from == "model_path" else None
         expected: dict[str, str] = {}
     else:
-        from regen.servers import recorded
+        from regen.servers import ensure, recorded
 
-        records = recorded(cfg)
+        records = ensure(cfg, run_id) if run_id else recorded(cfg)
         identities = {r.model_fingerprint for r in records}
         if len(identities) != 1 or None in identities:
             raise ShardFailed(f"the recorded servers do not serve one known model ({identities}); "
@@ -256,7 +263,7 @@ def generate(cfg: RunConfig, shard: int, endpoints: list[str] | None = None,
         expected = {r.url: r.served_model for r in records if r.served_model}
     with _progress_bar() as on_row:
         result = ShardRun(cfg, pairs, shard, identity, on_row=on_row, rebuild_index=not strict_index,
-                          expected_models=expected).run()
+                          expected_models=expected, run_id=run_id or "cli").run()
     return {**asdict(result), "summary": result.summary()}
 
 
@@ -290,7 +297,8 @@ def generate_rows(cfg: RunConfig, prompts: list[Prompt], endpoints: list[tuple[s
     async def run() -> tuple[list[dict], int]:
         rows: list[dict] = []
         async with open_endpoints(endpoints, cfg, tuning) as eps:
-            pool = ServerPool(eps, tuning)
+            pool = ServerPool(eps, tuning, NodeShare(RunLayout(cfg.output), "canary", "", eps))
+            pool.demand = len(prompts)
             try:
                 await Generator(pool, cfg, tuning, rows.append).run(
                     Request(p.id, p.messages) for p in prompts)

@@ -241,7 +241,69 @@ def start_servers(cfg: RunConfig, model_path: str, run_id: str = "cli",
                 f"already in use: stop what holds {'them' if len(taken) > 1 else 'it'} or change base_port")
         api_key = cfg.api_key or (records[0].api_key if records else None) or secrets.token_hex(24)
         launched = _launch(cfg, layout, model_path, fingerprint, run_id, api_key, to_launch, records)
+        ensure_watchdog(layout, cfg.idle_shutdown_s)
     return launched
+
+
+def relaunch(layout: RunLayout, index: int) -> ServerRecord | None:
+    """Start a recorded server again in place (same port, arguments, key), if it is still dead."""
+    with node_lock(layout):
+        records = read_state(layout)
+        record = next((r for r in records if r.index == index), None)
+        if record is None or record.running() or procs.session_pids(record.pid):
+            return record
+        argv = [record.api_key if arg == KEY_PLACEHOLDER else arg for arg in record.launch or []]
+        proc = procs.spawn(argv, Path(record.log_path), server_env(record.gpu), layout.servers)
+        record.pid, record.start_ticks = proc.pid, procs.start_ticks(proc.pid)
+        write_state(layout, records)
+        log.info("server %d relaunched: pid %d, port %d", index, proc.pid, record.port)
+        return record
+
+
+def ensure_watchdog(layout: RunLayout, idle_shutdown_s: float | None) -> None:
+    """One watchdog (regen.watchdog) per output's servers, with this idle shutdown."""
+    from regen.progress import atomic_write_json, read_json
+
+    current = read_json(layout.watchdog_state) or {}
+    if procs.is_running(current.get("pid", 0), current.get("start_ticks")):
+        if current.get("idle_shutdown_s") == idle_shutdown_s:
+            return
+        procs.stop_sessions([(current["pid"], current.get("start_ticks"), "watchdog")], grace_s=5)
+    import sys
+
+    argv = [sys.executable, "-m", "regen.watchdog", "--output", str(layout.root)]
+    if idle_shutdown_s:
+        argv += ["--idle-shutdown-s", str(idle_shutdown_s)]
+    proc = procs.spawn(argv, layout.watchdog_log, dict(os.environ), layout.servers)
+    atomic_write_json(layout.watchdog_state, {"pid": proc.pid, "start_ticks": procs.start_ticks(proc.pid),
+                                               "idle_shutdown_s": idle_shutdown_s})
+
+
+def stop_watchdog(layout: RunLayout) -> None:
+    from regen.progress import read_json
+
+    current = read_json(layout.watchdog_state) or {}
+    if current.get("pid") and current.get("pid") != os.getpid():
+        procs.stop_sessions([(current["pid"], current.get("start_ticks"), "watchdog")], grace_s=5)
+    layout.watchdog_state.unlink(missing_ok=True)
+
+
+def ensure(cfg: RunConfig, run_id: str) -> list[ServerRecord]:
+    """This output's servers, brought up here if none serve it (a shard or canary retried after
+    the teardown ran): the same staging and start as the setup tasks, under the node's lock."""
+    layout = RunLayout(cfg.output)
+    records = read_state(layout)
+    if records and any(r.running() for r in records):
+        return recorded(cfg)
+    from regen.manifest import Manifest
+    from regen.stage import stage_weights
+
+    log.warning("no server of this output is running on %s: starting them here (run %s)",
+                node_name(), run_id)
+    model = Manifest(layout).read().get("model") or {}
+    if not model.get("path") or not Path(model["path"]).is_dir():
+        model = stage_weights(cfg)
+    return start_servers(cfg, model["path"], run_id, model.get("fingerprint"))
 
 
 def _launch(cfg: RunConfig, layout: RunLayout, model_path: str, fingerprint: str | None, run_id: str,
@@ -330,7 +392,7 @@ def _port_released(host: str, port: int, wait_s: float = 5.0) -> bool:
 
 
 def stop_servers(layout: RunLayout, run_id: str = "cli", every: bool = False,
-                 grace_s: float = 30.0) -> tuple[int, list[ServerRecord]]:
+                 grace_s: float = 30.0, keep_watchdog: bool = False) -> tuple[int, list[ServerRecord]]:
     """Teardown: stop this run's servers (``every``: whoever owns them) and check that nothing
     of them is left; (how many stopped, the others' records). Safe to repeat."""
     with node_lock(layout):
@@ -341,7 +403,9 @@ def stop_servers(layout: RunLayout, run_id: str = "cli", every: bool = False,
         if problems:
             raise ServerError("teardown left something behind:\n" + "\n".join(problems))
         write_state(layout, others)
-    stopped = sum(1 for r in mine if r.running() is False)
+        if not others and not keep_watchdog:
+            stop_watchdog(layout)
+    stopped = len(mine)
     if others:
         log.info("left %d server(s) of run(s) %s running", len(others), sorted({r.owner for r in others}))
     log.info("stopped %d server(s); no process or port of them left", stopped)

@@ -33,6 +33,7 @@ ANSWER_WORDS = (
     "result is consistent with what we expected in summary here is a clear explanation"
 ).split()
 NO_THINKING_ANSWER = "OK."
+FAULT_MARKER = "[sim-fault]"
 
 
 @dataclass
@@ -40,7 +41,7 @@ class SimSettings:
     model_path: str
     served_model_name: str
     context_length: int
-    max_running_requests: int = 64
+    max_running_requests: int | None = None  # the launch value; None when not given, as SGLang
     effective_max_running_requests: int | None = None  # lower, as on hybrid Mamba models
     tokens_per_second: float = 0.0
     ttft_s: float = 0.0
@@ -49,6 +50,7 @@ class SimSettings:
     ignore_thinking: bool = False
     ignore_thinking_after: int | None = None  # a server restarted mid-run without thinking
     startup_delay_s: float = 0.0
+    fail_while: str | None = None  # while this file exists, prompts holding FAULT_MARKER get 500s
     api_key: str | None = None
     speculative_algorithm: str | None = None
     reasoning_parser: str | None = None
@@ -64,6 +66,7 @@ class SimState:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     waited_total: int = 0  # requests that found every slot taken and queued
+    peak: int = 0  # the most requests received and not yet answered at once
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))
 
     def throughput(self, window: float = 10.0) -> float:
@@ -100,7 +103,7 @@ def build_app(settings: SimSettings):
     from starlette.routing import Route
 
     state = SimState()
-    effective = settings.effective_max_running_requests or settings.max_running_requests
+    effective = settings.effective_max_running_requests or settings.max_running_requests or 64
     slots = asyncio.Semaphore(effective)
     failures = random.Random(settings.seed ^ 0x5EED)
 
@@ -127,18 +130,26 @@ def build_app(settings: SimSettings):
             "root": settings.model_path, "max_model_len": settings.context_length}]})
 
     async def server_info(request: Request):
-        return JSONResponse({
+        # SGLang 0.5.23's shape: the resolved server arguments at the top level and in each
+        # internal state (max_running_requests is the launch value, null when not given), plus
+        # the scheduler's real limit, effective_max_running_requests_per_dp.
+        args = {
             "model_path": settings.model_path,
             "served_model_name": settings.served_model_name,
             "context_length": settings.context_length,
             "max_running_requests": settings.max_running_requests,
             "speculative_algorithm": settings.speculative_algorithm,
             "reasoning_parser": settings.reasoning_parser,
+        }
+        return JSONResponse({
+            **args,
             "version": "regen-sim",
             "internal_states": [{
-                "max_running_requests": effective,
+                **args,
+                "effective_max_running_requests_per_dp": effective,
                 "last_gen_throughput": state.throughput(),
                 "waited_requests_total": state.waited_total,
+                "peak_requests_in_flight": state.peak,
             }],
         })
 
@@ -183,7 +194,9 @@ def build_app(settings: SimSettings):
                             f"input messages and {max_tokens} tokens for the completion."),
             }, status_code=400)
         roll = failures.random()
-        if roll < settings.failure_rate:
+        faulty = (settings.fail_while is not None and Path(settings.fail_while).exists()
+                  and FAULT_MARKER in json.dumps(messages))
+        if roll < settings.failure_rate or faulty:
             return JSONResponse({"object": "error", "message": "simulated internal error",
                                  "code": 500}, status_code=500)
         kwargs = body.get("chat_template_kwargs") or {}
@@ -194,6 +207,7 @@ def build_app(settings: SimSettings):
         reasoning, answer = compose(messages, thinking, body.get("seed"), settings.seed)
 
         state.queued += 1
+        state.peak = max(state.peak, state.queued + state.running)
         if slots.locked():
             state.waited_total += 1
         async with slots:
@@ -262,7 +276,7 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", default=None)
     p.add_argument("--context-length", type=int, default=None)
-    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--reasoning-parser", default=None)
     p.add_argument("--speculative-algorithm", default=None)
     p.add_argument("--random-seed", type=int, default=0)
@@ -280,6 +294,9 @@ def argument_parser() -> argparse.ArgumentParser:
                    help="think for the first N requests, then ignore enable_thinking (a server "
                    "relaunched mid-run with the wrong flags)")
     p.add_argument("--sim-startup-delay", type=float, default=0.0)
+    p.add_argument("--sim-fail-while", metavar="FILE", default=None,
+                   help=f"while FILE exists, answer HTTP 500 to prompts containing {FAULT_MARKER!r} "
+                   "(a fault that goes away, to test retries and clears)")
     p.add_argument("--sim-effective-max-running-requests", type=int, default=None,
                    help="run and report fewer requests than --max-running-requests, as SGLang does "
                    "on hybrid Mamba models (issue 38846)")
@@ -312,13 +329,14 @@ def main(argv: list[str] | None = None) -> int:
         ignore_thinking=args.sim_ignore_thinking,
         ignore_thinking_after=args.sim_ignore_thinking_after,
         startup_delay_s=args.sim_startup_delay,
+        fail_while=args.sim_fail_while,
         api_key=args.api_key,
         speculative_algorithm=args.speculative_algorithm,
         reasoning_parser=args.reasoning_parser,
         seed=args.random_seed,
     )
     print(f"regen sim: {settings.served_model_name} on http://{args.host}:{args.port} "
-          f"(context {settings.context_length}, max running {settings.max_running_requests}"
+          f"(context {settings.context_length}, max running {settings.max_running_requests or 64}"
           f"{', ignoring enable_thinking' if settings.ignore_thinking else ''})", flush=True)
     if args.sim_orphan_child:
         import subprocess

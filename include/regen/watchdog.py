@@ -1,0 +1,85 @@
+"""The watchdog of a node's servers: restarts the ones that die, stops them all when idle.
+
+It runs on the node beside the servers, in a session of its own, started by whoever starts them
+(``start_servers``), so it outlives whatever happens to Airflow: a lost scheduler, a run marked
+failed from outside, a killed worker, a teardown that never ran. Every ``poll_s``:
+
+- while some shard or canary holds a live lease (:mod:`regen.leases`), a server whose process
+  died is restarted in place, with its recorded arguments, at most ``MAX_RESTARTS`` times with
+  growing pauses, each restart logged and alerted; the shards go on with the other servers and
+  take the restarted one back when their probe finds it healthy;
+- when no lease has been live for ``idle_shutdown_s``, it stops every recorded server and exits.
+
+It also exits when no server is recorded any more (a teardown ran).
+
+    python -m regen.watchdog --output DIR [--idle-shutdown-s S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from regen.layout import RunLayout
+
+log = logging.getLogger("regen.watchdog")
+
+MAX_RESTARTS = 3
+FIRST_PAUSE_S = 5.0
+
+
+def watch(layout: RunLayout, idle_shutdown_s: float | None, poll_s: float = 1.0) -> str:
+    from regen.alerts import send
+    from regen.leases import live_leases
+    from regen.servers import read_state, relaunch, stop_servers
+
+    last_active = time.monotonic()
+    restarts: dict[int, tuple[int, float]] = {}  # server index -> (restarts so far, not before)
+    while True:
+        records = read_state(layout)
+        if not records:
+            return "no server recorded any more"
+        now = time.monotonic()
+        if live_leases(layout):
+            last_active = now
+            for record in records:
+                if record.running():
+                    continue
+                count, not_before = restarts.get(record.index, (0, 0.0))
+                if count >= MAX_RESTARTS or now < not_before:
+                    continue
+                restarts[record.index] = (count + 1, now + FIRST_PAUSE_S * 2 ** count)
+                message = (f"server {record.index} (port {record.port}) died; restart "
+                           f"{count + 1} of {MAX_RESTARTS}")
+                log.warning(message)
+                try:
+                    relaunch(layout, record.index)
+                except Exception as exc:  # a failed restart is reported, then tried again later
+                    message += f" failed: {exc}"
+                    log.error(message)
+                send("servers", message, output=str(layout.root))
+        elif idle_shutdown_s and now - last_active >= idle_shutdown_s:
+            stopped, _ = stop_servers(layout, every=True, keep_watchdog=True)
+            reason = f"no shard used the servers for {idle_shutdown_s:.0f} s: stopped {stopped}"
+            log.info(reason)
+            return reason
+        time.sleep(poll_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m regen.watchdog", description=__doc__.splitlines()[0])
+    parser.add_argument("--output", required=True, help="the output directory whose servers to watch")
+    parser.add_argument("--idle-shutdown-s", type=float, default=None)
+    parser.add_argument("--poll-s", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("watching the servers of %s (idle shutdown: %s)", args.output,
+             f"{args.idle_shutdown_s:.0f} s" if args.idle_shutdown_s else "never")
+    log.info("exiting: %s", watch(RunLayout(args.output), args.idle_shutdown_s, args.poll_s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

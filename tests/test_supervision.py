@@ -1,0 +1,195 @@
+"""Servers as a shared, supervised resource of the node: one in-flight budget for all shards,
+restarts, leases and idle shutdown, the node check, and every Airflow retry path."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pandas as pd
+import pytest
+import yaml
+
+from conftest import BIN, ROOT, processes_with_args, read_ids, trigger_run, wait_run, wait_until
+from regen.generate import generate
+from regen.layout import RunLayout
+from regen.pipeline import run
+from regen.servers import ServerError, read_state, start_servers, stop_records
+from test_integrity import write_prompts
+
+SGLANG_MAMBA = ["--max-running-requests", "64", "--sim-effective-max-running-requests", "8"]
+
+
+def peak_in_flight(url: str) -> int:
+    return httpx.get(f"{url}/server_info").json()["internal_states"][0]["peak_requests_in_flight"]
+
+
+def test_the_limit_is_sglangs_effective_one_and_shared_by_every_shard(sim_servers, tmp_path):
+    """SGLang 0.5.23 reports 64 (launch value) and 8 (effective): one generator, then four shard
+    generators at once, never keep more than 8 + the queue margin in flight."""
+    cfg, records = sim_servers(num_servers=1, sim_tokens_per_second=400, concurrency_per_server=None,
+                               extra_server_args=SGLANG_MAMBA)
+    info = httpx.get(f"{records[0].url}/server_info").json()["internal_states"][0]
+    assert (info["max_running_requests"], info["effective_max_running_requests_per_dp"]) == (64, 8)
+    budget = 8 + cfg.queue_margin
+    prompts = write_prompts(tmp_path / "p.jsonl", 120)
+    base = [str(BIN / "regen"), "--no-progress-bar", "generate", "--prompts", str(prompts),
+            "--endpoints", records[0].url, "--api-key", records[0].api_key]
+    one = subprocess.run([*base, "--output", str(tmp_path / "one"), "--num-shards", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert budget - 2 <= peak_in_flight(records[0].url) <= budget  # used, and never passed
+
+    cfg2, records2 = sim_servers(num_servers=1, sim_tokens_per_second=400, concurrency_per_server=None,
+                                 extra_server_args=SGLANG_MAMBA)
+    url = records2[0].url
+    four = [subprocess.Popen([*base[:-4], "--endpoints", url, "--api-key", records2[0].api_key,
+                              "--output", str(tmp_path / "four"), "--num-shards", "4", "--shard", str(i)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(4)]
+    for proc in four:
+        assert proc.wait(timeout=300) == 0, proc.stderr.read()[-2000:]
+    assert peak_in_flight(url) <= budget  # four shards, one budget
+    df = pd.read_parquet(tmp_path / "four" / "data")
+    assert len(df) == 120 and df["id"].is_unique
+
+
+def test_a_server_killed_mid_shard_is_restarted_and_the_shard_completes(sim_servers, tmp_path):
+    cfg, records = sim_servers(num_servers=2, sim_tokens_per_second=300, concurrency_per_server=4)
+    victim = records[1]
+    prompts = write_prompts(tmp_path / "p.jsonl", 240)
+    cfg = cfg.model_copy(update={"prompts": str(prompts), "num_shards": 1})
+    seen: list[dict] = []
+    killed_at: list[int] = []
+
+    def on_row(row):
+        seen.append(row)
+        if len(seen) == 20:
+            os.killpg(victim.pid, signal.SIGKILL)
+            killed_at.append(len(seen))
+
+    from regen.dispatch import ClientTuning
+    from regen.generate import ShardRun
+
+    result = ShardRun(cfg, [(r.url, r.api_key) for r in records], 0, records[0].model_fingerprint,
+                      ClientTuning(probe_interval_s=0.2, retry_backoff_s=0.05, all_down_timeout_s=30),
+                      on_row=on_row).run()
+    assert result.failed == 0 and killed_at == [20]
+    restarted = next(r for r in read_state(RunLayout(cfg.output)) if r.index == victim.index)
+    assert restarted.pid != victim.pid and restarted.running()
+    after = [row["server"] for row in seen[40:]]
+    assert victim.url in after  # serving again before the shard ended
+    df = pd.read_parquet(Path(cfg.output) / "data")
+    assert sorted(df["id"]) == sorted(read_ids(prompts)) and df["id"].is_unique
+    log = RunLayout(cfg.output).watchdog_log.read_text()
+    assert f"server {victim.index} (port {victim.port}) died; restart 1 of 3" in log
+
+
+def test_abandoned_servers_stop_by_themselves(make_config, tmp_path):
+    """No shard, no teardown: the watchdog stops them within idle_shutdown_s, also when they were
+    started by `regen serve --config FILE`."""
+    cfg = make_config(num_servers=2, idle_shutdown_s=3)
+    started = time.monotonic()
+    records = start_servers(cfg, cfg.model_path)
+    wait_until(lambda: read_state(RunLayout(cfg.output)) == [], 15, "idle shutdown")
+    assert time.monotonic() - started < 3 + 5  # the idle time, a poll, the stop
+    assert not any(r.running() for r in records)
+
+    config = tmp_path / "serve.yaml"
+    other = make_config(num_servers=1, idle_shutdown_s=3, output=str(tmp_path / "cli"))
+    config.write_text(yaml.safe_dump(json.loads(other.model_dump_json())))
+    served = subprocess.run([str(BIN / "regen"), "serve", "--config", str(config)], capture_output=True,
+                            text=True, timeout=120)
+    assert served.returncode == 0, served.stderr[-2000:]
+    wait_until(lambda: read_state(RunLayout(other.output)) == [], 15, "idle shutdown")
+    assert processes_with_args("--port", str(other.base_port)) == []
+
+
+def test_a_shard_that_finds_no_servers_brings_them_up_itself(make_config):
+    """After the teardown ran (a run cleared with only failed), a DAG shard starts the servers
+    through the same code as start_servers; the audit's stop then leaves none running."""
+    cfg = make_config(num_servers=2, num_shards=2)
+    result = run(generate, cfg, shard=1, run_id="dag/cleared-run")
+    assert result["failed"] == 0 and result["done"] == result["total"]
+    records = read_state(RunLayout(cfg.output))
+    assert len(records) == 2 and {r.owner for r in records} == {"dag/cleared-run"}
+    stop_records(records, grace_s=5)
+
+
+def test_a_shard_on_another_node_is_told_at_once(sim_servers, monkeypatch):
+    cfg, records = sim_servers(num_servers=1)
+    monkeypatch.setenv("REGEN_NODE_NAME", "some-other-worker")
+    started = time.monotonic()
+    with pytest.raises(ServerError, match="servers run on node .*; this task runs on some-other-worker"):
+        run(generate, cfg, shard=0, run_id="dag/run")
+    assert time.monotonic() - started < 5
+
+
+# --- under a real scheduler: every Airflow retry path -----------------------------------------
+
+def fault_config(make_config, tmp_path, name):
+    """A run whose shards fail for good while the fault file exists (the canary's prompts are
+    spared): 280 demo prompts plus 12 that the simulator answers with HTTP 500."""
+    prompts = tmp_path / f"{name}.jsonl"
+    extra = [json.dumps({"id": f"fault-{i}", "prompt": f"[sim-fault] question {i}?"}) for i in range(12)]
+    prompts.write_text((ROOT / "demo" / "prompts.jsonl").read_text() + "\n".join(extra) + "\n")
+    fault = tmp_path / f"{name}.fault"
+    fault.touch()
+    cfg = make_config(prompts=str(prompts), output=str(tmp_path / name), num_shards=3, num_servers=1,
+                      max_attempts=2, max_error_fraction=0.0, sim_tokens_per_second=3000,
+                      extra_server_args=["--sim-fail-while", str(fault)])
+    return cfg, fault
+
+
+def shard_states(api, run_id):
+    tis = api.get(f"/dags/regenerate_dataset/dagRuns/{run_id}/taskInstances", params={"limit": 100}).json()
+    return {(t["task_id"], t["map_index"]): t["state"] for t in tis["task_instances"]}
+
+
+def assert_clean_success(api, run_id, cfg):
+    assert wait_run(api, run_id, 300) == "success", shard_states(api, run_id)
+    df = pd.read_parquet(Path(cfg.output) / "data")
+    assert sorted(df["id"]) == sorted(read_ids(Path(cfg.prompts))) and df["id"].is_unique
+    assert df["error"].isna().all()
+    wait_until(lambda: processes_with_args("--port", str(cfg.base_port)) == [], 30, "no server left")
+
+
+@pytest.mark.slow
+def test_failed_shards_resume_from_either_clear_the_ui_offers(airflow, make_config, tmp_path):
+    base, headers = airflow["base"], {"Authorization": f"Bearer {airflow['token']}"}
+    api = httpx.Client(base_url=f"{base}/api/v2", headers=headers, timeout=30)
+
+    # (a) the run's Clear, "only failed" ticked: start_servers and stop_servers stay succeeded.
+    cfg, fault = fault_config(make_config, tmp_path, "run-clear")
+    run_id = trigger_run(api, cfg)
+    assert wait_run(api, run_id, 300) == "failed"
+    failed = [k for k, v in shard_states(api, run_id).items() if k[0] == "generate" and v == "failed"]
+    assert failed and shard_states(api, run_id)[("stop_servers", -1)] == "success"
+    fault.unlink()  # the cause goes away
+    cleared = api.post(f"/dags/regenerate_dataset/dagRuns/{run_id}/clear",
+                       json={"dry_run": False, "only_failed": True})
+    assert cleared.status_code == 200, cleared.text
+    assert_clean_success(api, run_id, cfg)
+    assert shard_states(api, run_id)[("start_servers", -1)] == "success"
+
+    # (b) the task's Clear with its defaults (downstream included, not only failed).
+    cfg, fault = fault_config(make_config, tmp_path, "task-clear")
+    run_id = trigger_run(api, cfg)
+    assert wait_run(api, run_id, 300) == "failed"
+    failed = [k for k, v in shard_states(api, run_id).items() if k[0] == "generate" and v == "failed"]
+    fault.unlink()
+    cleared = api.post("/dags/regenerate_dataset/clearTaskInstances", json={
+        "dry_run": False, "dag_run_id": run_id, "task_ids": [["generate", failed[0][1]]],
+        "include_downstream": True, "include_upstream": False, "only_failed": False,
+        "reset_dag_runs": True})
+    assert cleared.status_code == 200, cleared.text
+    for shard in failed[1:]:  # each failed shard is cleared the same way, as a user would
+        api.post("/dags/regenerate_dataset/clearTaskInstances", json={
+            "dry_run": False, "dag_run_id": run_id, "task_ids": [["generate", shard[1]]],
+            "include_downstream": True, "include_upstream": False, "only_failed": False,
+            "reset_dag_runs": True})
+    assert_clean_success(api, run_id, cfg)
