@@ -83,6 +83,18 @@ def run_baseline(prompts: list[Prompt], out: Path, urls: list[str]) -> None:
     asyncio.run(main())
 
 
+def hashing_cpu(prompts: list[Prompt], cfg: RunConfig) -> float:
+    """CPU seconds regen spends on the integrity hashes of these prompts (prompt hash per row,
+    checked against the manifest's on every send and resume)."""
+    from regen.manifest import prompt_hash, template_kwargs
+
+    kwargs = template_kwargs(cfg)
+    cpu = time.process_time()
+    for prompt in prompts:
+        prompt_hash(prompt.messages, kwargs)
+    return time.process_time() - cpu
+
+
 def measure(fn) -> tuple[float, float]:
     wall, cpu = time.perf_counter(), time.process_time()
     fn()
@@ -114,6 +126,7 @@ def main() -> None:
             for proc in sims:
                 proc.terminate()
                 proc.wait()
+        hashing = min(hashing_cpu(prompts, RunConfig(prompts=str(prompts_path))) for _ in range(3))
     rows = ["| client | requests/s | CPU s per 1,000 requests | wall s |", "| --- | --- | --- | --- |"]
     for name, (wall, cpu) in best.items():
         rows.append(f"| {name} | {args.requests / wall:,.0f} | {cpu / args.requests * 1000:.2f} | {wall:.2f} |")
@@ -124,7 +137,9 @@ def main() -> None:
         f"{CONCURRENCY_PER_SERVER} in flight per server, best of {args.rounds} rounds. regen "
         f"(journal, retries, least-outstanding dispatch, Parquet shard) is {ratio:.2f}x the "
         f"baseline's throughput at {1 / cpu_ratio:.2f}x its CPU per request. The servers share the "
-        f"same 2 cores, so wall time includes their work.")
+        f"same 2 cores, so wall time includes their work. The integrity hashes (a prompt hash per "
+        f"row, against the run manifest) cost {hashing / args.requests * 1e6:.0f} µs of CPU per request, "
+        f"{hashing / best['regen'][1]:.1%} of regen's CPU per request (goal: within 5%).")
     write_section("Client overhead", ".venv/bin/python bench/bench_client.py", body)
 
 

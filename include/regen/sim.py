@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import random
@@ -43,7 +44,9 @@ class SimSettings:
     context_length: int
     max_running_requests: int | None = None  # the launch value; None when not given, as SGLang
     effective_max_running_requests: int | None = None  # lower, as on hybrid Mamba models
-    tokens_per_second: float = 0.0
+    tokens_per_second: float = 0.0  # per request, alone in the batch
+    batch_slowdown: float = 0.0  # how much each running request slows the others (see BatchScheduler)
+    prefill_tokens_per_second: float = 0.0  # 0: prefill is free
     ttft_s: float = 0.0
     failure_rate: float = 0.0
     hang_rate: float = 0.0
@@ -66,7 +69,8 @@ class SimState:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     waited_total: int = 0  # requests that found every slot taken and queued
-    peak: int = 0  # the most requests received and not yet answered at once
+    in_flight: int = 0  # received and not yet answered
+    peak: int = 0  # the most requests in flight at once
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))
 
     def throughput(self, window: float = 10.0) -> float:
@@ -96,6 +100,74 @@ def count_prompt_tokens(messages: list[dict]) -> int:
     return sum(len(str(m.get("content", "")).split()) + 4 for m in messages) + 2
 
 
+class BatchScheduler:
+    """Continuous batching, as SGLang and vLLM run it. Up to ``limit`` requests decode together;
+    with b of them running each gains ``tokens_per_second / (1 + batch_slowdown * (b - 1))``
+    tokens a second, so a fuller batch is slower per request and faster in all. A new request's
+    prompt is prefilled first, at ``prefill_tokens_per_second``, while the running ones wait. The
+    rest queue. Requests that started together with the same length finish together, in a burst,
+    as a batch's do on a real server."""
+
+    def __init__(self, settings: "SimSettings", limit: int, state: "SimState"):
+        self.tps = settings.tokens_per_second
+        self.slowdown = settings.batch_slowdown
+        self.prefill_tps = settings.prefill_tokens_per_second
+        self.limit, self.state = limit, state
+        self.waiting: deque = deque()  # [tokens left, future, prompt tokens]
+        self.running: list = []
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task | None = None
+
+    def rate(self, batch: int) -> float:
+        return self.tps / (1 + self.slowdown * (batch - 1))
+
+    async def submit(self, prompt_tokens: int, tokens: int) -> None:
+        future = asyncio.get_running_loop().create_future()
+        if len(self.running) >= self.limit or self.waiting:
+            self.state.waited_total += 1
+        self.waiting.append([float(tokens), future, prompt_tokens])
+        self._count()
+        if self.task is None:
+            self.task = asyncio.create_task(self._run())
+        self.wake.set()
+        await future
+
+    def _count(self) -> None:
+        self.state.running, self.state.queued = len(self.running), len(self.waiting)
+
+    async def _run(self) -> None:
+        last = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if self.running:
+                step = (now - last) * self.rate(len(self.running))
+                for item in self.running:
+                    item[0] -= step
+                for item in [i for i in self.running if i[0] <= 1e-6]:
+                    self.running.remove(item)
+                    if not item[1].done():
+                        item[1].set_result(None)
+            last = now
+            prefill = 0
+            while self.waiting and len(self.running) < self.limit:
+                item = self.waiting.popleft()
+                self.running.append(item)
+                prefill += item[2]
+            self._count()
+            if prefill and self.prefill_tps:
+                await asyncio.sleep(prefill / self.prefill_tps)  # the batch waits for the prefill
+                last = time.monotonic()
+                continue
+            self.wake.clear()
+            if not self.running:
+                await self.wake.wait()
+                last = time.monotonic()
+                continue
+            next_done = min(i[0] for i in self.running) / self.rate(len(self.running))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), timeout=max(next_done, 0.0005))
+
+
 def build_app(settings: SimSettings):
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -104,7 +176,7 @@ def build_app(settings: SimSettings):
 
     state = SimState()
     effective = settings.effective_max_running_requests or settings.max_running_requests or 64
-    slots = asyncio.Semaphore(effective)
+    scheduler = BatchScheduler(settings, effective, state)
     failures = random.Random(settings.seed ^ 0x5EED)
 
     def ready() -> bool:
@@ -150,6 +222,7 @@ def build_app(settings: SimSettings):
                 "last_gen_throughput": state.throughput(),
                 "waited_requests_total": state.waited_total,
                 "peak_requests_in_flight": state.peak,
+                "requests_in_flight": state.in_flight,
             }],
         })
 
@@ -206,30 +279,23 @@ def build_app(settings: SimSettings):
         thinking = bool(kwargs.get("enable_thinking", True)) and not degraded
         reasoning, answer = compose(messages, thinking, body.get("seed"), settings.seed)
 
-        state.queued += 1
-        state.peak = max(state.peak, state.queued + state.running)
-        if slots.locked():
-            state.waited_total += 1
-        async with slots:
-            state.queued -= 1
-            state.running += 1
-            try:
-                if roll < settings.failure_rate + settings.hang_rate:
-                    await asyncio.sleep(3600)
-                budget = max_tokens
-                think_tokens = reasoning[:budget]
-                budget -= len(think_tokens) + (1 if reasoning else 0)
-                answer_tokens = answer[:max(budget, 0)]
-                finished = len(think_tokens) == len(reasoning) and len(answer_tokens) == len(answer)
-                completion = len(think_tokens) + (1 if reasoning else 0) + len(answer_tokens)
-                completion = min(completion, max_tokens)
-                delay = settings.ttft_s
-                if settings.tokens_per_second > 0:
-                    delay += completion / settings.tokens_per_second
-                if delay > 0:
-                    await asyncio.sleep(delay)
-            finally:
-                state.running -= 1
+        budget = max_tokens
+        think_tokens = reasoning[:budget]
+        budget -= len(think_tokens) + (1 if reasoning else 0)
+        answer_tokens = answer[:max(budget, 0)]
+        finished = len(think_tokens) == len(reasoning) and len(answer_tokens) == len(answer)
+        completion = min(len(think_tokens) + (1 if reasoning else 0) + len(answer_tokens), max_tokens)
+        state.in_flight += 1
+        state.peak = max(state.peak, state.in_flight)
+        try:
+            if roll < settings.failure_rate + settings.hang_rate:
+                await asyncio.sleep(3600)
+            if settings.ttft_s > 0:
+                await asyncio.sleep(settings.ttft_s)
+            if settings.tokens_per_second > 0:
+                await scheduler.submit(prompt_tokens, completion)
+        finally:
+            state.in_flight -= 1
         state.prompt_tokens_total += prompt_tokens
         state.generation_tokens_total += completion
         state.recent.append((time.monotonic(), completion))
@@ -287,6 +353,10 @@ def argument_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, default=None, help="accepted for SGLang parity; no effect")
     p.add_argument("--sim-tokens-per-second", type=float, default=0.0)
     p.add_argument("--sim-ttft", type=float, default=0.0)
+    p.add_argument("--sim-batch-slowdown", type=float, default=0.0,
+                   help="per-request decode speed with b running: tokens-per-second / (1 + this x (b-1))")
+    p.add_argument("--sim-prefill-tokens-per-second", type=float, default=0.0,
+                   help="prompt tokens prefilled a second while the batch waits (0: free)")
     p.add_argument("--sim-failure-rate", type=float, default=0.0)
     p.add_argument("--sim-hang-rate", type=float, default=0.0)
     p.add_argument("--sim-ignore-thinking", action="store_true")
@@ -323,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         max_running_requests=args.max_running_requests,
         effective_max_running_requests=args.sim_effective_max_running_requests,
         tokens_per_second=args.sim_tokens_per_second,
+        batch_slowdown=args.sim_batch_slowdown,
+        prefill_tokens_per_second=args.sim_prefill_tokens_per_second,
         ttft_s=args.sim_ttft,
         failure_rate=args.sim_failure_rate,
         hang_rate=args.sim_hang_rate,
