@@ -18,27 +18,22 @@ The DAG only wires tasks; each task runs one stage function of the `regen` packa
 
 from __future__ import annotations
 
-import os
 from datetime import datetime, timedelta
 
 from airflow.sdk import Asset, AssetAlias, AssetAny, Param, dag, get_current_context, task
 
+from regen import deployment
 from regen.alerts import notifier
-from regen.config import param_schemas, schedule_spec
+from regen.config import param_schemas
 
-PARAMS = {name: Param(default, **schema) for name, (default, schema) in param_schemas().items()}
-# The finished dataset, announced under one alias: a training DAG schedules on
-# AssetAlias("regen_dataset"); each event names the dataset's own Asset and carries its row
-# count and audit verdict.
+# Every finished dataset is announced under one alias: a training DAG schedules on
+# AssetAlias("regen_dataset"); each event names the dataset's own Asset (its data/ folder) and
+# carries its row count and audit verdict. A DAG from a deployment's config file also announces
+# its own Asset, named `regenerate_NAME` (URI `regen://regenerate_NAME`), with the same extra.
 DATASET = AssetAlias("regen_dataset")
-_spec = schedule_spec(os.environ.get("REGEN_SCHEDULE"))
-SCHEDULE = AssetAny(*(Asset(uri) for uri in _spec)) if isinstance(_spec, list) else _spec
-# On a Celery cluster, the queue of the GPU node's worker, and a pool bounding shards in flight.
-QUEUE = os.environ.get("REGEN_QUEUE", "default")
-SHARD_POOL = os.environ.get("REGEN_POOL", "default_pool")
-# Automatic retries of a shard (each resumes from its journal) and the pause before each.
-SHARD_RETRIES = int(os.environ.get("REGEN_SHARD_RETRIES", "2"))
-SHARD_RETRY_DELAY = timedelta(seconds=float(os.environ.get("REGEN_SHARD_RETRY_DELAY_S", "30")))
+QUEUE = deployment.queue()
+SHARD_POOL = deployment.shard_pool()
+SHARD_RETRIES, SHARD_RETRY_DELAY_S = deployment.shard_retries()
 
 
 def _config(params):
@@ -71,9 +66,13 @@ def preflight(params=None) -> list[int]:
 
 
 @task(retries=1, retry_delay=timedelta(seconds=10))
-def stage_weights(params=None) -> str:
+def stage_weights(shards: list[int], params=None) -> str:
+    from airflow.exceptions import AirflowSkipException
+
     from regen.stage import stage_weights
 
+    if not shards:  # a scheduled run with nothing new: no weights, no servers, no requests
+        raise AirflowSkipException("the dataset is up to date (see preflight); nothing to regenerate")
     return _run(stage_weights, params)["path"]
 
 
@@ -91,7 +90,7 @@ def canary(params=None) -> dict:
     return _run(canary, params, run_id=_run_id())["estimate"]
 
 
-@task(retries=SHARD_RETRIES, retry_delay=SHARD_RETRY_DELAY, map_index_template="{{ shard_label }}",
+@task(retries=SHARD_RETRIES, retry_delay=timedelta(seconds=SHARD_RETRY_DELAY_S), map_index_template="{{ shard_label }}",
       pool=SHARD_POOL)
 def generate(shard: int, params=None) -> str:
     from regen.generate import generate
@@ -100,7 +99,7 @@ def generate(shard: int, params=None) -> str:
     return _run(generate, params, shard=shard, strict_index=True, run_id=_run_id())["summary"]
 
 
-@task(retries=0, outlets=[DATASET])
+@task(retries=0)
 def audit(params=None) -> dict:
     from regen.audit import audit
     from regen.servers import stop
@@ -110,10 +109,13 @@ def audit(params=None) -> dict:
     # the teardown had run (a run cleared with "only failed" does not run the teardown again).
     _run(stop, params, run_id=_run_id())
     summary = _run(audit, params)
-    uri = f"file://{cfg.ssh_conn_id or ''}{cfg.output}/data"
-    get_current_context()["outlet_events"][DATASET].add(Asset(uri), extra={
-        "rows": summary["samples"], "verdict": summary["verdict"],
-        "degenerate_fraction": summary["degenerate_fraction"], "output": cfg.output})
+    extra = {"rows": summary["samples"], "verdict": summary["verdict"],
+             "degenerate_fraction": summary["degenerate_fraction"], "output": cfg.output}
+    events = get_current_context()["outlet_events"]
+    events[DATASET].add(Asset(f"file://{cfg.ssh_conn_id or ''}{cfg.output}/data"), extra=extra)
+    for outlet in get_current_context()["task"].outlets:
+        if isinstance(outlet, Asset):
+            events[outlet].extra = extra
     return summary
 
 
@@ -124,25 +126,35 @@ def stop_servers(params=None) -> int:
     return _run(stop, params, run_id=_run_id())["stopped"]
 
 
-@dag(
-    dag_id="regenerate_dataset",
-    schedule=SCHEDULE,
-    start_date=datetime(2026, 1, 1),
-    catchup=False,
-    max_active_runs=1,
-    params=PARAMS,
-    doc_md=__doc__,
-    tags=["regen", "llm-data"],
-    default_args={"on_failure_callback": [notifier()], "queue": QUEUE},
-)
-def regenerate_dataset():
-    shards = preflight()
-    model = stage_weights()
-    shards >> model
-    servers = start_servers(model)
-    generated = generate.expand(shard=shards)
-    servers >> canary() >> generated >> audit()
-    generated >> stop_servers().as_teardown(setups=servers)
+def regeneration_dag(run: deployment.RunDefinition):
+    """One regeneration DAG: the same tasks whatever the deployment; its own defaults,
+    schedule and dataset."""
+    schedule = AssetAny(*(Asset(uri) for uri in run.schedule)) if isinstance(run.schedule, list) else run.schedule
+    outlets = [DATASET] + ([Asset(name=run.dataset_name, uri=f"regen://{run.dataset_name}")]
+                           if run.dataset_name else [])
+
+    @dag(
+        dag_id=run.dag_id,
+        schedule=schedule,
+        start_date=datetime(2026, 1, 1),
+        catchup=False,
+        max_active_runs=1,
+        params={name: Param(default, **schema) for name, (default, schema) in param_schemas(run.config).items()},
+        doc_md=__doc__ + (f"\n\nDefaults and schedule from `{run.source}`." if run.source else ""),
+        tags=["regen", "llm-data"],
+        default_args={"on_failure_callback": [notifier()], "queue": QUEUE},
+    )
+    def regenerate():
+        shards = preflight()
+        model = stage_weights(shards)
+        servers = start_servers(model)
+        generated = generate.expand(shard=shards)
+        servers >> canary() >> generated >> audit.override(outlets=outlets)()
+        generated >> stop_servers().as_teardown(setups=servers)
+
+    return regenerate()
 
 
-regenerate_dataset()
+# Broken config files are reported by regen_config_errors.py, so that they never hide these.
+for _run_definition in deployment.run_definitions()[0]:
+    globals()[_run_definition.dag_id] = regeneration_dag(_run_definition)

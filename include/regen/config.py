@@ -7,6 +7,7 @@ refused by all, with the field named.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -409,15 +410,8 @@ class RunConfig(BaseModel):
         if path is not None:
             path = Path(path)
             source = str(path)
-            try:
-                loaded = yaml.safe_load(path.read_text())
-            except FileNotFoundError:
-                raise ConfigError(f"{path}: no such config file") from None
-            except yaml.YAMLError as exc:
-                raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-            if loaded is not None and not isinstance(loaded, dict):
-                raise ConfigError(f"{path}: must be a mapping of field: value")
-            data = dict(loaded or {})
+            data = read_config_file(path)
+            file_schedule(data.pop("schedule", None), path)  # a deployment's key, checked here too
             base_dir = base_dir or path.resolve().parent
         data.update({k: v for k, v in (overrides or {}).items() if v is not None})
         return cls.from_mapping(data, source=source, base_dir=base_dir)
@@ -446,6 +440,19 @@ class RunConfig(BaseModel):
         return yaml.safe_dump(self.model_dump(), sort_keys=False)
 
 
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The mapping a YAML config holds; ConfigError naming the file when it is not one."""
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: must be a mapping of field: value")
+    return dict(loaded or {})
+
+
 def format_validation_error(exc: ValidationError, source: str) -> str:
     lines = []
     for err in exc.errors():
@@ -464,14 +471,20 @@ def field_sections() -> dict[str, str]:
     }
 
 
-def param_schemas() -> dict[str, tuple[Any, dict[str, Any]]]:
-    """Per field: (default, JSON schema) for an Airflow Param, from the pydantic schema.
+@functools.cache
+def _json_schema() -> dict[str, Any]:
+    return RunConfig.model_json_schema()
+
+
+def param_schemas(defaults: RunConfig | None = None) -> dict[str, tuple[Any, dict[str, Any]]]:
+    """Per field: (default, JSON schema) for an Airflow Param, from the pydantic schema; the
+    defaults are ``defaults``' values (a deployment's config file) or the schema's own.
 
     Optional fields become ``type: [T, "null"]`` so that Airflow's trigger form shows a plain
     input that may be left empty.
     """
-    schema = RunConfig.model_json_schema()
-    defaults = RunConfig().model_dump()
+    schema = _json_schema()
+    defaults = (defaults or RunConfig()).model_dump(mode="json")
     out: dict[str, tuple[Any, dict[str, Any]]] = {}
     for name, prop in schema["properties"].items():
         prop = dict(prop)
@@ -513,3 +526,19 @@ def schedule_spec(value: str | None) -> str | list[str] | None:
             raise ConfigError(f"REGEN_SCHEDULE: {value!r}: write asset:URI[|asset:URI...]")
         return uris
     return value
+
+
+def file_schedule(raw: Any, path: Path) -> str | list[str] | None:
+    """A config file's ``schedule:`` (its DAG's, in a deployment's REGEN_CONFIG_DIR): a cron
+    expression, a preset, "none", "asset:URI|..." or a list of asset URIs."""
+    if isinstance(raw, list):
+        if not raw or not all(isinstance(uri, str) and uri for uri in raw):
+            raise ConfigError(f"{path}: field 'schedule': a list must hold asset URIs")
+        return list(raw)
+    if raw is None or isinstance(raw, str):
+        try:
+            return schedule_spec(raw)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: field 'schedule': {exc}") from None
+    raise ConfigError(f"{path}: field 'schedule': a cron expression, a preset, 'none', "
+                      f"'asset:URI|...' or a list of asset URIs (got {raw!r})")

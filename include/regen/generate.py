@@ -142,8 +142,7 @@ class ShardRun:
                 settled, file_ids = self.store.settled(prompts.hashes, self.settings_hash)
                 total, skipped = len(prompts.ids), len(settled)
                 self.total, self.skipped = total, skipped
-                if (skipped == total and file_ids == set(prompts.ids)
-                        and not self.store.journal_path.exists()):
+                if self.store.complete(prompts.ids, settled, file_ids):
                     log.info("%s is up to date: every prompt has a good row of this run's prompts, "
                              "model and settings (%s); nothing to send", self.store.name, self.store.final)
                     self.progress.write_shard(self.shard, {
@@ -265,6 +264,25 @@ def generate(cfg: RunConfig, shard: int, endpoints: list[str] | None = None,
         result = ShardRun(cfg, pairs, shard, identity, on_row=on_row, rebuild_index=not strict_index,
                           expected_models=expected, run_id=run_id or "cli").run()
     return {**asdict(result), "summary": result.summary()}
+
+
+def shards_to_run(cfg: RunConfig) -> list[int]:
+    """The shards with work left for this config's model (as staged: the fingerprint of its
+    directory) and settings, from the manifest preflight just wrote; none when a scheduled run
+    finds nothing new, so that no server starts. Every shard when the model is not here."""
+    from regen.stage import model_fingerprint
+
+    identity = model_fingerprint(cfg.model_path)
+    if identity is None:
+        return list(range(cfg.num_shards))
+    wanted = settings_hash(identity, cfg.sampling())
+    layout, manifest = RunLayout(cfg.output), Manifest(RunLayout(cfg.output))
+    left = []
+    for shard in range(cfg.num_shards):
+        store, prompts = ShardStore(layout, shard, cfg.num_shards), manifest.shard_prompts(shard)
+        if not store.complete(prompts.ids, *store.settled(prompts.hashes, wanted)):
+            left.append(shard)
+    return left
 
 
 @contextlib.contextmanager

@@ -306,6 +306,7 @@ def preflight(cfg: RunConfig, code: bool = True, run_id: str = "cli",
     """The preflight stage: every check, here, with this interpreter; PreflightFailed listing
     every problem, else the run manifest written (the prompt index) and the shards to map over.
     ``max_map_length``: the deployment's limit on mapped tasks (the DAG passes Airflow's)."""
+    from regen.generate import shards_to_run
     from regen.manifest import Manifest
 
     report = run_preflight(cfg, code=code, max_map_length=max_map_length)
@@ -313,8 +314,10 @@ def preflight(cfg: RunConfig, code: bool = True, run_id: str = "cli",
         raise PreflightFailed(report.problems)
     Manifest(RunLayout(cfg.output)).write_prompts(cfg, report.info["_index"], run_id)
     report.info = {k: v for k, v in report.info.items() if not k.startswith("_")}
-    return {"shards": list(range(cfg.num_shards)), "info": report.info,
+    shards = shards_to_run(cfg)
+    work = (f"{len(shards)} of {cfg.num_shards} shards with work" if shards else
+            "up to date: every prompt has a good row of this model and settings, nothing to send")
+    return {"shards": shards, "up_to_date": not shards, "info": report.info,
             "seconds": round(report.seconds, 2),
             "summary": f"preflight passed in {report.seconds:.1f} s: "
-                       f"{report.info.get('prompts', 0):,} prompts, {cfg.num_shards} shards, "
-                       f"engine {cfg.engine}"}
+                       f"{report.info.get('prompts', 0):,} prompts, engine {cfg.engine}; {work}"}

@@ -145,6 +145,10 @@ class ShardStore:
                 settled.discard(row["id"])
         return settled, file_ids
 
+    def complete(self, ids: list[str], settled: set[str], file_ids: set[str]) -> bool:
+        """The shard file holds exactly these ids, each settled, and nothing waits in a journal."""
+        return len(settled) == len(ids) and file_ids == set(ids) and not self.journal_path.exists()
+
     def _rows(self) -> Iterator[dict]:
         """The shard's existing rows, then the journal's: later rows win."""
         if self.final.exists():

@@ -1,5 +1,5 @@
 """The run page: progress per shard and per server, tokens per second over time, ETA, the
-canary's estimate and the audit's verdict, for one run of regenerate_dataset.
+canary's estimate and the audit's verdict, for one run of a regen DAG.
 
 Served by the Airflow plugin (plugins/regen_plugin.py) inside Airflow's API server and shown as
 an external view on each dag run. Airflow does not guard plugin routes, so every route here
@@ -13,10 +13,16 @@ from regen.config import RunConfig
 from regen.layout import RunLayout
 
 
-def run_config(conf: "dict | None") -> RunConfig:
-    """The config a run ran with: its Params, else the defaults."""
-    return RunConfig.from_mapping({k: v for k, v in (conf or {}).items() if k in RunConfig.model_fields},
-                                  source="run conf")
+def run_config(dag_id: str, conf: "dict | None") -> "RunConfig | None":
+    """The config a run of a regen DAG ran with: its conf over the DAG's defaults (a
+    deployment's config file, or the schema's); None when the DAG is not one of regen's."""
+    from regen.deployment import run_definitions
+
+    defaults = {d.dag_id: d.config for d in run_definitions()[0]}.get(dag_id)
+    if defaults is None:
+        return None
+    given = {k: v for k, v in (conf or {}).items() if k in RunConfig.model_fields}
+    return RunConfig.from_mapping({**defaults.model_dump(mode="json"), **given}, source="run conf")
 
 
 def config_data(cfg: RunConfig) -> dict:
@@ -48,7 +54,10 @@ def create_app():
         run = session.scalar(select(DagRun).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
         if run is None:
             raise HTTPException(404, f"no run {run_id!r} of {dag_id!r}")
-        return run_config(run.conf)
+        cfg = run_config(dag_id, run.conf)
+        if cfg is None:
+            raise HTTPException(404, f"{dag_id!r} is not a regen DAG")
+        return cfg
 
     @app.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse, dependencies=guard)
     def page(dag_id: str, run_id: str, session: SessionDep) -> str:

@@ -1,0 +1,81 @@
+"""What a deployment decides without editing the DAG files: which runs exist and when they run.
+
+Without ``REGEN_CONFIG_DIR`` there is one DAG, ``regenerate_dataset``, with the demo's defaults
+and the schedule of ``REGEN_SCHEDULE``. With it, every ``NAME.yaml`` in that folder (a run config,
+the same schema as ``regen ... --config``, plus an optional ``schedule:``) is its own DAG,
+``regenerate_NAME``, whose Params default to the file's values. Read at parse time: small YAML
+files and pydantic, no connection, nothing heavy.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from regen.config import ConfigError, RunConfig, file_schedule, read_config_file, schedule_spec
+
+DEFAULT_DAG_ID = "regenerate_dataset"
+_NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+@dataclass(frozen=True)
+class RunDefinition:
+    """One DAG a deployment asks for: its id, its Params' defaults, its schedule and dataset."""
+
+    dag_id: str
+    config: RunConfig
+    schedule: str | list[str] | None
+    source: Path | None = None  # the config file, None for the built-in demo DAG
+
+    @property
+    def dataset_name(self) -> str | None:
+        """The Asset a finished run announces (configured DAGs); None: the shared alias only."""
+        return self.dag_id if self.source else None
+
+
+def config_dir() -> Path | None:
+    value = os.environ.get("REGEN_CONFIG_DIR", "").strip()
+    return Path(value) if value else None
+
+
+def configured_file(path: Path) -> RunDefinition:
+    """A deployment's ``NAME.yaml``; ConfigError naming the file and the field when it is bad."""
+    if not _NAME.match(path.stem):
+        raise ConfigError(f"{path}: the file name must be letters, digits, '_' or '-' (it names the DAG)")
+    data = read_config_file(path)
+    schedule = file_schedule(data.pop("schedule", None), path)
+    cfg = RunConfig.from_mapping(data, source=str(path), base_dir=path.resolve().parent)
+    return RunDefinition(f"regenerate_{path.stem}", cfg, schedule, path)
+
+
+def run_definitions() -> tuple[list[RunDefinition], list[str]]:
+    """The DAGs this deployment defines, and one message per config file that is broken."""
+    folder = config_dir()
+    if folder is None:
+        return [RunDefinition(DEFAULT_DAG_ID, RunConfig(), schedule_spec(os.environ.get("REGEN_SCHEDULE")))], []
+    if not folder.is_dir():
+        return [], [f"REGEN_CONFIG_DIR={folder}: not a directory"]
+    definitions, problems = [], []
+    for path in sorted(folder.glob("*.yaml")) + sorted(folder.glob("*.yml")):
+        try:
+            definitions.append(configured_file(path))
+        except ConfigError as exc:
+            problems.append(str(exc))
+    return definitions, problems
+
+
+def queue() -> str:
+    """On a Celery cluster, the queue of the GPU node's worker."""
+    return os.environ.get("REGEN_QUEUE", "default")
+
+
+def shard_pool() -> str:
+    """A pool bounding the shards in flight."""
+    return os.environ.get("REGEN_POOL", "default_pool")
+
+
+def shard_retries() -> tuple[int, float]:
+    """Automatic retries of a shard (each resumes from its journal) and the pause before each."""
+    return int(os.environ.get("REGEN_SHARD_RETRIES", "2")), float(os.environ.get("REGEN_SHARD_RETRY_DELAY_S", "30"))
