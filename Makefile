@@ -49,10 +49,11 @@ system:
 	fi
 
 # SGLang's own argument parser, to check regen's launch command (SGLang cannot serve on a CPU,
-# but its parser imports). About 80 s and 2.5 GB once; cached outside the clone for later runs.
+# but its parser imports), and SpecForge's data parser, the audit's oracle. About 80 s and 2.5 GB
+# once; cached outside the clone for later runs.
 # Keyed by the content of its requirement files (not their mtimes, which a fresh clone resets).
 SGLANG_VERSION := $(shell sed -n 's/^sglang==//p' requirements-gpu.txt)
-SGLANG_KEY := $(shell cat requirements-gpu.txt requirements-sglang-parser.txt | sha256sum | cut -c1-12)
+SGLANG_KEY := $(shell cat requirements-gpu.txt requirements-sglang-parser.txt requirements-specforge-oracle.txt | sha256sum | cut -c1-12)
 SGLANG_VENV := $(HOME)/.cache/regen/sglang-$(SGLANG_VERSION)-$(SGLANG_KEY)
 export REGEN_SGLANG_PYTHON := $(SGLANG_VENV)/bin/python
 
@@ -64,6 +65,7 @@ $(SGLANG_VENV)/.installed:
 	$(SGLANG_VENV)/bin/python -m pip install -q torch==2.13.0 2>&1 | $(QUIET_PIP)
 	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -r requirements-gpu.txt 2>&1 | $(QUIET_PIP)
 	$(SGLANG_VENV)/bin/python -m pip install -q -r requirements-sglang-parser.txt 2>&1 | $(QUIET_PIP)
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -r requirements-specforge-oracle.txt 2>&1 | $(QUIET_PIP)
 	touch $@
 
 # vLLM on the CPU and a tiny Qwen3 model trained to think: the real engine of the end-to-end test.

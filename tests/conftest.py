@@ -111,6 +111,16 @@ def airflow_db():
     return AIRFLOW_HOME / "airflow.db"
 
 
+def turn_requests(path: Path, ids=None) -> dict[str, int]:
+    """Per prompt (of ``ids``, default all): the requests it makes with regenerate_turns all,
+    one per user turn."""
+    from regen.prompts import Prompt, read_prompts
+    from regen.turns import user_turns
+
+    return {p.id: user_turns(p.messages) for p in read_prompts(path)
+            if isinstance(p, Prompt) and (ids is None or p.id in ids)}
+
+
 def read_ids(path: Path) -> list[str]:
     from regen.prompts import Prompt, read_prompts
 

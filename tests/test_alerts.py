@@ -32,11 +32,11 @@ def test_the_dag_takes_its_schedule_from_the_environment(monkeypatch):
     from conftest import ROOT
 
     monkeypatch.setenv("REGEN_SCHEDULE", "asset:file:///data/prompts.jsonl|asset:s3://ckpt/latest")
-    dag = runpy.run_path(str(ROOT / "dags" / "regenerate_dataset.py"))["regenerate_dataset"]()
+    dag = runpy.run_path(str(ROOT / "dags" / "regenerate_dataset.py"))["regenerate_dataset"]
     uris = sorted(asset.uri for asset in dag.timetable.asset_condition.objects)
     assert uris == ["file:///data/prompts.jsonl", "s3://ckpt/latest"]
     monkeypatch.setenv("REGEN_SCHEDULE", "0 3 * * 6")
-    dag = runpy.run_path(str(ROOT / "dags" / "regenerate_dataset.py"))["regenerate_dataset"]()
+    dag = runpy.run_path(str(ROOT / "dags" / "regenerate_dataset.py"))["regenerate_dataset"]
     assert dag.timetable.expression == "0 3 * * 6"
 
 

@@ -26,17 +26,22 @@ def assert_specforge_valid(path, expect_reasoning=True):
             if message["role"] == "assistant":
                 for text in (message["content"], message.get("reasoning_content") or ""):
                     assert "<think>" not in text and "</think>" not in text
-        if expect_reasoning:
-            assert isinstance(conv[-1]["reasoning_content"], str) and conv[-1]["reasoning_content"]
+        if expect_reasoning:  # every assistant turn, not only the last
+            assert all(isinstance(m.get("reasoning_content"), str) and m["reasoning_content"].strip()
+                       for m in conv if m["role"] == "assistant")
         ids.append(record["id"])
     return ids
 
 
 def test_export_writes_valid_conversations_and_counts_what_it_left_out(tmp_path):
-    history = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
-               {"role": "user", "content": "Q2"}]
+    regenerated = [{"role": "user", "content": "Q1"},
+                   {"role": "assistant", "content": "A1", "reasoning_content": "R1"},
+                   {"role": "user", "content": "Q2"}]
+    original = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
+                {"role": "user", "content": "Q2"}]  # regenerate_turns last: the dataset's history
     rows = [row(i) for i in range(10)] + [
-        row(10, messages=history),
+        row(10, messages=regenerated),
+        row(15, messages=original),
         row(11, reasoning=None, content=None, finish=None, error="HTTP 400: too long"),
         row(12, reasoning=None),
         row(13, content="</think> leaked"),
@@ -48,7 +53,7 @@ def test_export_writes_valid_conversations_and_counts_what_it_left_out(tmp_path)
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "wrote 11 conversations" in out.stdout
-    for reason in ("failed 1", "no reasoning 1", "think markers 1", "empty answer 1"):
+    for reason in ("failed 1", "no reasoning 2", "think markers 1", "empty answer 1"):
         assert reason in out.stdout
     ids = assert_specforge_valid(tmp_path / "train.jsonl")
     assert sorted(ids) == sorted(f"s{i}" for i in range(11))

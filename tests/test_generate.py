@@ -11,7 +11,7 @@ import httpx
 import pandas as pd
 import pytest
 
-from conftest import BIN, ROOT, read_ids, wait_until
+from conftest import BIN, ROOT, read_ids, turn_requests, wait_until
 from regen.dispatch import ClientTuning, ShardFailed
 from regen.config import RunConfig
 from regen.generate import ShardRun
@@ -67,7 +67,7 @@ def test_shards_write_every_id_once_with_the_design_columns(sim_servers, tmp_pat
         f"{shard_name(s, 3)}.parquet" for s in range(3)]
     assert df["error"].isna().all()
     assert set(df["server"]) == {r.url for r in records}  # both servers took work
-    assert list(df["messages"].iloc[0][0].keys()) == ["role", "content"]
+    assert list(df["messages"].iloc[0][0].keys()) == ["role", "content", "reasoning_content"]
     progress = json.loads((out / "progress.json").read_text())
     assert progress["done"] == progress["total"] == len(df)
     assert not list((out / "work" / "journal").glob("*.jsonl"))  # journals folded into data/
@@ -133,7 +133,7 @@ def test_a_prompt_too_long_for_the_context_becomes_an_error_row_without_retries(
     assert row["error"].startswith("HTTP 400: Requested token count exceeds")
     assert row["attempts"] == 1
     assert result.failed == 1
-    assert sim_requests_total(records[0].url) == 41  # one request for it, never retried
+    assert sim_requests_total(records[0].url) == sum(turn_requests(prompts).values())  # one for it, never retried
 
 
 def test_a_shard_with_too_many_errors_fails_and_keeps_what_it_finished(sim_servers, tmp_path):

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import BIN, ROOT, wait_until
+from conftest import BIN, ROOT, turn_requests, wait_until
 from regen.audit import AuditThresholds, audit_dataset
 from regen.dispatch import ClientTuning, ShardFailed
 from regen.generate import ShardRun, generate
@@ -61,6 +61,17 @@ def rows_written(output: Path) -> set[str]:
     return ids
 
 
+def turns_journaled(output: Path) -> dict[str, int]:
+    """Per conversation cut mid-way: how many of its turns the journals hold answers for."""
+    from regen.turns import resumed_answers
+
+    rows: dict[str, list[dict]] = {}
+    for journal in (RunLayout(output).work / "journal").glob("*.jsonl"):
+        for row in Journal.rows(journal, partial=True):
+            rows.setdefault(row["id"], []).append(row)
+    return {i: len(resumed_answers(r)) for i, r in rows.items()}
+
+
 def kill_when(proc: subprocess.Popen, output: Path, rows: int) -> set[str]:
     """SIGKILL ``proc`` once ``rows`` ids have a row; the ids written by then."""
     try:
@@ -95,7 +106,7 @@ def test_rows_of_other_settings_in_the_journal_are_regenerated_not_kept(sim_serv
     before = requests_total(records)
     rerun = subprocess.run(cli(*base), capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
-    assert requests_total(records) - before == 1200  # not one thinking-off row was kept
+    assert requests_total(records) - before == sum(turn_requests(prompts).values())  # no thinking-off row kept
     df = pd.read_parquet(out / "data")
     assert len(df) == 1200 and df["id"].is_unique
     assert df["settings_hash"].nunique() == 1 and df["enable_thinking"].all()
@@ -143,10 +154,14 @@ def test_the_same_command_after_a_kill_resends_at_most_what_was_in_flight(sim_se
     settle(records)
     assert 450 <= len(written) < 900  # killed in the middle
     sent_before = requests_total(records)
+    turns = turn_requests(prompts)
+    partial = turns_journaled(output)
     rerun = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
-    assert requests_total(records) - sent_before == 900 - len(written)
-    in_flight_at_kill = sent_before - len(written)
+    left = sum(n - partial.get(i, 0) for i, n in turns.items() if i not in written)
+    assert requests_total(records) - sent_before == left
+    in_flight_at_kill = (sent_before - sum(turns[i] for i in written)
+                         - sum(n for i, n in partial.items() if i not in written))
     assert 0 <= in_flight_at_kill <= 2 * 4  # what was in flight: the only requests made twice
     df = pd.read_parquet(output / "data")
     assert len(df) == 900 and df["id"].is_unique
@@ -244,7 +259,7 @@ def test_a_prompt_file_changed_while_shards_run_fails_them_and_loses_nothing(sim
     worker = threading.Thread(target=shard0)
     worker.start()
     journal = RunLayout(cfg.output).journal(0, 2)
-    wait_until(lambda: journal.exists() and journal.read_bytes().count(b"\n") >= 10, 60, "10 rows")
+    wait_until(lambda: len(list(Journal.rows(journal))) >= 10, 60, "10 rows")
     write_prompts(prompts, 300, edit=range(0, 300))  # every record rewritten in place
     worker.join(timeout=120)
     assert len(errors) == 1 and isinstance(errors[0], ShardFailed)

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from regen.chat import QWEN, ChatFormat, load_tokenizer, loss_token_counts, render, training_messages
+from regen.chat import TRAIN_TEMPLATES, load_tokenizer, loss_token_counts, render, training_messages
 from regen.config import RunConfig
 from regen.errors import DataError, RegenError
 from regen.layout import RunLayout
@@ -41,13 +41,17 @@ FINDINGS = (
     "think_markers_in_content",  # <think> or </think> leaked into the answer
     "stale_prompt",        # not what this run's manifest says was sent for the id (edited, removed)
     "foreign_settings",    # made with another model or other settings than the dataset's
+    "cut",                 # longer than the training's max length: training sees it cut
+    "degenerate_after_cut",  # enough loss tokens whole, too few once cut
 )
 # Findings that fail the audit whatever their number: rows this run did not produce.
 PROVENANCE = ("stale_prompt", "foreign_settings")
 
 SAMPLE_SCHEMA = pa.schema([
     ("id", pa.string()),
-    ("loss_tokens", pa.int64()),
+    ("loss_tokens", pa.int64()),  # as training sees them: after the cut at train_max_length
+    ("loss_tokens_uncut", pa.int64()),
+    ("tokens", pa.int64()),  # the whole rendered conversation, before the cut
     ("completion_tokens", pa.int64()),
     ("findings", pa.list_(pa.string())),
 ])
@@ -70,12 +74,16 @@ class AuditFailed(RegenError):
 
 @dataclass(frozen=True)
 class AuditThresholds:
+    """What a sample is checked against: the limits, and the training's view of it."""
+
     min_loss_tokens: int
     max_degenerate_fraction: float
+    train_template: str = "qwen3-thinking"
+    train_max_length: int | None = None
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "AuditThresholds":
-        return cls(cfg.min_loss_tokens, cfg.max_degenerate_fraction)
+        return cls(cfg.min_loss_tokens, cfg.max_degenerate_fraction, cfg.train_template, cfg.train_max_length)
 
 
 @dataclass
@@ -106,52 +114,50 @@ def mark_duplicates(results: list[dict], seen_ids: set[str]) -> None:
 
 
 def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds,
-                default_thinking: bool = True, fmt: ChatFormat = QWEN) -> list[dict]:
-    """Findings and loss tokens of each row (duplicates aside: see mark_duplicates)."""
+                default_thinking: bool = True) -> list[dict]:
+    """Findings and loss tokens of each row (duplicates aside: see mark_duplicates), each
+    conversation rendered, masked and cut as the training's template and max length will."""
+    template = TRAIN_TEMPLATES[thresholds.train_template]
+    fmt = template.fmt
     results: list[dict] = [None] * len(rows)  # type: ignore[list-item]
     to_render: list[int] = []
     conversations = []
-    thinking_flags = []
     for i, row in enumerate(rows):
         findings: list[str] = []
-        results[i] = {"id": row["id"], "loss_tokens": 0,
+        results[i] = {"id": row["id"], "loss_tokens": 0, "loss_tokens_uncut": 0, "tokens": 0,
                       "completion_tokens": row.get("completion_tokens"), "findings": findings}
         if row.get("error") is not None:
             findings.append("error")
             continue
         to_render.append(i)
         conversations.append(training_messages(_messages(row), row.get("reasoning_content"),
-                                               row.get("content")))
-        thinking = row.get("enable_thinking")
-        thinking_flags.append(default_thinking if thinking is None else bool(thinking))
-    # Render per enable_thinking value (a dataset normally has one), each group in one batch.
-    counts: dict[int, int] = {}
-    for flag in (True, False):
-        group = [j for j, f in enumerate(thinking_flags) if f is flag]
-        if not group:
-            continue
-        texts = render(tokenizer, [conversations[j] for j in group], enable_thinking=flag)
-        for j, n in zip(group, loss_token_counts(tokenizer, texts, fmt)):
-            counts[j] = n
+                                               row.get("content"), template))
+    texts = render(tokenizer, conversations, True if template.enable_thinking else None)
+    counts = loss_token_counts(tokenizer, texts, fmt, thresholds.train_max_length, template.ignore)
     for j, i in enumerate(to_render):
-        row, result = rows[i], results[i]
+        row, result, count = rows[i], results[i], counts[j]
         findings = result["findings"]
-        result["loss_tokens"] = counts[j]
-        reasoning = row.get("reasoning_content")
+        result.update(loss_tokens=count.loss, loss_tokens_uncut=count.uncut, tokens=count.total)
         content = row.get("content") or ""
-        thinking = thinking_flags[j]
-        if thinking and not (reasoning or "").strip():
+        thinking = row.get("enable_thinking")
+        thinking = default_thinking if thinking is None else bool(thinking)
+        reasonings = [row.get("reasoning_content")] + [m.get("reasoning_content") for m in _regenerated(row)]
+        if thinking and not all((r or "").strip() for r in reasonings):
             findings.append("missing_reasoning")
         if row.get("finish_reason") == "length":
             findings.append("truncated")
             if (fmt.think_start in content and fmt.think_end not in content) or (
-                    (reasoning or "").strip() and not content.strip()):
+                    (reasonings[0] or "").strip() and not content.strip()):
                 findings.append("truncated_in_thinking")
         if not content.strip():
             findings.append("empty_answer")
         if fmt.think_start in content or fmt.think_end in content:
             findings.append("think_markers_in_content")
-        if counts[j] < thresholds.min_loss_tokens or "missing_reasoning" in findings:
+        if thresholds.train_max_length and count.total > thresholds.train_max_length:
+            findings.append("cut")
+            if count.loss < thresholds.min_loss_tokens <= count.uncut:
+                findings.append("degenerate_after_cut")
+        if count.loss < thresholds.min_loss_tokens or "missing_reasoning" in findings:
             findings.append("degenerate")
     return results
 
@@ -160,7 +166,17 @@ def _messages(row: dict) -> list[dict]:
     messages = row["messages"]
     if hasattr(messages, "tolist"):
         messages = messages.tolist()
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    return [{k: v for k, v in m.items() if v is not None or k == "content"} for m in messages]
+
+
+def _regenerated(row: dict) -> list[dict]:
+    """The earlier assistant turns this run regenerated (all of them with regenerate_turns all;
+    none with last, whose history is the dataset's own)."""
+    turns = row.get("turns")
+    earlier = len(turns) - 1 if turns else 0
+    if earlier <= 0:
+        return []
+    return [m for m in _messages(row) if m["role"] == "assistant"][-earlier:]
 
 
 def iter_batches(layout: RunLayout, batch_size: int = 512) -> Iterator[list[dict]]:
@@ -176,7 +192,7 @@ def iter_batches(layout: RunLayout, batch_size: int = 512) -> Iterator[list[dict
             raise DataError(f"{path}: the data has no column(s) {sorted(missing)}")
         wanted = [c for c in ("id", "messages", "reasoning_content", "content", "finish_reason",
                               "completion_tokens", "error", "enable_thinking", "prompt_hash",
-                              "settings_hash") if c in names]
+                              "settings_hash", "turns") if c in names]
         for batch in parquet.iter_batches(batch_size=batch_size, columns=wanted):
             yield batch.to_pylist()
 
@@ -280,6 +296,10 @@ class AuditReport:
             "degenerate_fraction": round(s.degenerate_fraction, 6),
             "thresholds": {"min_loss_tokens": self.thresholds.min_loss_tokens,
                            "max_degenerate_fraction": self.thresholds.max_degenerate_fraction},
+            "train_view": {"template": self.thresholds.train_template,
+                           "max_length": self.thresholds.train_max_length,
+                           "cut_fraction": round(s.fraction("cut"), 6),
+                           "degenerate_after_cut_fraction": round(s.fraction("degenerate_after_cut"), 6)},
             "counts": s.counts,
             "fractions": {f: round(s.fraction(f), 6) for f in FINDINGS},
             "loss_tokens": _stats(s.loss_tokens),
@@ -300,8 +320,11 @@ class AuditReport:
             f"audit {self.verdict()}: {s.counts['degenerate']:,} of {s.audited:,} samples degenerate "
             f"(degenerate fraction {s.degenerate_fraction:.4f}, limit "
             f"{self.thresholds.max_degenerate_fraction:.4f})",
-            f"loss tokens: median {loss['median']}, p5 {loss['p5']}, p95 {loss['p95']} "
-            f"(min_loss_tokens {self.thresholds.min_loss_tokens}); completion tokens median "
+            f"loss tokens as {self.thresholds.train_template} trains on them"
+            + (f" cut at {self.thresholds.train_max_length:,}" if self.thresholds.train_max_length else "")
+            + f": median {loss['median']}, p5 {loss['p5']}, p95 {loss['p95']} (min_loss_tokens "
+            f"{self.thresholds.min_loss_tokens}); the cut shortens {s.fraction('cut'):.1%} of samples, "
+            f"{s.fraction('degenerate_after_cut'):.1%} left too short; completion tokens median "
             f"{comp['median']}, max {comp['max']}",
             "findings: " + (", ".join(f"{f} {n:,}" for n, f in top) if top else "none"),
             f"reasoning present on {s.reasoning_rows:,} of {s.thinking_rows:,} samples that asked "

@@ -18,6 +18,7 @@ from regen.errors import RegenError
 from regen.generate import generate_rows
 from regen.progress import RunProgress, format_duration
 from regen.prompts import Prompt, read_prompts
+from regen.turns import user_turns
 
 log = logging.getLogger("regen.canary")
 
@@ -38,14 +39,20 @@ class CanaryResult:
 
 
 def first_prompts(path: str | Path, count: int) -> tuple[list[Prompt], int]:
-    """The first ``count`` readable prompts, and how many prompts the file holds."""
+    """The first ``count`` readable prompts, one of them multi-turn when the file has any (the
+    path of earlier turns' answers is checked too), and how many prompts the file holds."""
     chosen: list[Prompt] = []
+    multi_turn: Prompt | None = None
     total = 0
     for item in read_prompts(path):
         if isinstance(item, Prompt):
             total += 1
             if len(chosen) < count:
                 chosen.append(item)
+            if multi_turn is None and user_turns(item.messages) > 1:
+                multi_turn = item
+    if multi_turn is not None and multi_turn not in chosen:
+        chosen[-1] = multi_turn
     return chosen, total
 
 

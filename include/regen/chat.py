@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,37 @@ class ChatFormat:
 
 
 QWEN = ChatFormat()
+
+
+@dataclass(frozen=True)
+class TrainTemplate:
+    """What SpecForge's data parser does with a conversation for one ``--chat-template`` name:
+    the markers of what it trains on, the system prompt it adds when there is none, whether its
+    parser keeps ``reasoning_content`` (ThinkingParser) or drops it (the general parser), whether
+    it renders with ``enable_thinking=True``, and strings whose tokens it takes out of the mask."""
+
+    fmt: ChatFormat
+    system_prompt: str | None
+    keeps_reasoning: bool
+    enable_thinking: bool
+    ignore: tuple[str, ...] = ()
+
+    @property
+    def message_keys(self) -> frozenset[str]:
+        base = {"role", "content", "tool_calls"}
+        return frozenset(base | {"reasoning_content", "name", "tool_call_id"} if self.keeps_reasoning else base)
+
+
+_HELPFUL = "You are a helpful assistant."
+TRAIN_TEMPLATES: dict[str, TrainTemplate] = {
+    "qwen3-thinking": TrainTemplate(QWEN, _HELPFUL, keeps_reasoning=True, enable_thinking=True),
+    "qwen3-next-thinking": TrainTemplate(ChatFormat(assistant_header="<|im_start|>assistant\n<think>\n"),
+                                         _HELPFUL, keeps_reasoning=True, enable_thinking=True),
+    "qwen": TrainTemplate(QWEN, _HELPFUL, keeps_reasoning=False, enable_thinking=False),
+    "qwen3-instruct": TrainTemplate(QWEN, _HELPFUL, keeps_reasoning=False, enable_thinking=False,
+                                    ignore=("<think>\n\n</think>\n\n",)),
+}
+DEFAULT_TRAIN_TEMPLATE = TRAIN_TEMPLATES["qwen3-thinking"]
 
 
 def assistant_spans(text: str, fmt: ChatFormat = QWEN) -> list[tuple[int, int]]:
@@ -62,22 +93,41 @@ def load_tokenizer(model_dir: str):
     return tokenizer
 
 
-def training_messages(messages: Sequence[dict[str, Any]], reasoning: str | None,
-                      content: str | None) -> list[dict[str, Any]]:
-    """The conversation as training sees it: the request plus the generated assistant turn."""
-    assistant: dict[str, Any] = {"role": "assistant", "content": content or ""}
+def training_messages(messages: Sequence[dict[str, Any]], reasoning: str | None, content: str | None,
+                      template: TrainTemplate = DEFAULT_TRAIN_TEMPLATE) -> list[dict[str, Any]]:
+    """The conversation as training prepares it: the messages (earlier assistant turns with their
+    own reasoning) and the final assistant turn; the template's system prompt when there is none;
+    cut where the roles stop alternating; each message with only the keys its parser keeps."""
+    final: dict[str, Any] = {"role": "assistant", "content": content or ""}
     if reasoning is not None:
-        assistant["reasoning_content"] = reasoning
-    return [{"role": m["role"], "content": m["content"]} for m in messages] + [assistant]
+        final["reasoning_content"] = reasoning
+    turns = [*messages, final]
+    out: list[dict[str, Any]] = []
+    if turns[0]["role"] == "system":
+        out.append({"role": "system", "content": turns[0].get("content") or ""})
+        turns = turns[1:]
+    elif template.system_prompt:
+        out.append({"role": "system", "content": template.system_prompt})
+    while turns and turns[0]["role"] != "user":
+        turns = turns[1:]
+    follows = {"tool": ("assistant", "tool"), "assistant": ("user", "tool")}
+    for j, message in enumerate(turns):
+        role = message["role"]
+        if (j == 0 and role != "user") or (j and role in follows and turns[j - 1]["role"] not in follows[role]):
+            break
+        out.append({k: v for k, v in message.items()
+                    if k in template.message_keys and not (k == "reasoning_content" and v is None)}
+                   | {"content": message.get("content") or ""})
+    return out
 
 
-def render(tokenizer, conversations: Sequence[list[dict[str, Any]]], enable_thinking: bool) -> list[str]:
+def render(tokenizer, conversations: Sequence[list[dict[str, Any]]], enable_thinking: bool | None) -> list[str]:
+    """``enable_thinking`` None: the template's own default (SpecForge's general parser)."""
     if not conversations:
         return []
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     rendered = tokenizer.apply_chat_template(
-        list(conversations), tokenize=False, add_generation_prompt=False,
-        enable_thinking=enable_thinking,
-    )
+        list(conversations), tokenize=False, add_generation_prompt=False, **kwargs)
     return rendered if isinstance(rendered, list) else [rendered]
 
 
@@ -134,19 +184,69 @@ def loss_masks(tokenizer, texts: Sequence[str], fmt: ChatFormat = QWEN) -> list[
     return masks
 
 
-def loss_token_counts(tokenizer, texts: Sequence[str], fmt: ChatFormat = QWEN) -> list[int]:
-    """Loss tokens of each rendered conversation: counted piece by piece where the tokenizer
-    allows it (see PieceCounter), else from one batched encoding."""
+@dataclass(frozen=True)
+class LossCount:
+    """A rendered conversation's loss tokens as training sees them (after the cut at its max
+    length), before the cut, and its length in tokens."""
+
+    loss: int
+    uncut: int
+    total: int
+
+
+def loss_token_counts(tokenizer, texts: Sequence[str], fmt: ChatFormat = QWEN, max_length: int | None = None,
+                      ignore: Sequence[str] = ()) -> list[LossCount]:
+    """Loss tokens of each rendered conversation, as SpecForge's parser computes them: assistant
+    spans set, ``ignore`` strings' tokens cleared, everything from ``max_length`` on cut. Token
+    positions are counted piece by piece where the tokenizer allows it (see PieceCounter), else
+    taken from one batched encoding, else from SpecForge's own prefix arithmetic."""
     counter = PieceCounter.for_tokenizer(tokenizer)
-    counts: list[int | None] = [None] * len(texts)
+    plans = []
+    for text in texts:
+        spans = assistant_spans(text, fmt)
+        ignored = [(at, at + len(token)) for token in ignore for at in _occurrences(text, token)]
+        chars = sorted({c for span in spans + ignored for c in span} | {len(text)})
+        plans.append((spans, ignored, chars))
+    positions: list[dict[int, int] | None] = [None] * len(texts)
     if counter is not None:
-        for i, text in enumerate(texts):
-            counts[i] = counter.count_spans(text, assistant_spans(text, fmt))
-    rest = [i for i, n in enumerate(counts) if n is None]
+        for i, (text, (_, _, chars)) in enumerate(zip(texts, plans)):
+            found = counter.positions(text, chars)
+            positions[i] = dict(zip(chars, found)) if found is not None else None
+    rest = [i for i, p in enumerate(positions) if p is None]
     if rest:
-        for i, spans in zip(rest, loss_spans(tokenizer, [texts[i] for i in rest], fmt)):
-            counts[i] = sum(last - first for first, last in spans)
-    return counts  # type: ignore[return-value]
+        encodings = tokenizer._tokenizer.encode_batch([texts[i] for i in rest], add_special_tokens=False)
+        for i, enc in zip(rest, encodings):
+            text, found = texts[i], {}
+            for char in plans[i][2]:
+                index = _token_starting_at(enc, len(text), char)
+                found[char] = index if index is not None else len(
+                    tokenizer.encode(text[:char], add_special_tokens=False))
+            positions[i] = found
+    out = []
+    for text, (spans, ignored, _), pos in zip(texts, plans, positions):
+        total = pos[len(text)]
+        tokens = [(pos[a], pos[b]) for a, b in spans]
+        cleared = [(pos[a], pos[b]) for a, b in ignored]
+        out.append(LossCount(_covered(tokens, cleared, min(total, max_length or total)),
+                             _covered(tokens, cleared, total), total))
+    return out
+
+
+def _occurrences(text: str, token: str) -> Iterator[int]:
+    at = text.find(token)
+    while at != -1:
+        yield at
+        at = text.find(token, at + len(token))
+
+
+def _covered(spans: list[tuple[int, int]], cleared: list[tuple[int, int]], limit: int) -> int:
+    """Token positions under ``limit`` inside a span and outside every cleared range."""
+    marks = bytearray(limit)
+    for first, last in spans:
+        marks[min(first, limit):min(last, limit)] = b"\x01" * max(0, min(last, limit) - min(first, limit))
+    for first, last in cleared:
+        marks[min(first, limit):min(last, limit)] = bytes(max(0, min(last, limit) - min(first, limit)))
+    return marks.count(1)
 
 
 # GPT-2's pre-tokenizer pattern: what a ByteLevel pre-tokenizer with use_regex applies.
@@ -237,8 +337,9 @@ class PieceCounter:
             count = self.counts[piece] = len(self.model.tokenize(mapped))
         return count
 
-    def count_spans(self, text: str, spans: list[tuple[int, int]]) -> int | None:
-        """Tokens inside the spans; None where that cannot be told exactly without encoding."""
+    def positions(self, text: str, chars: list[int]) -> list[int] | None:
+        """The token index at each character position; None where one cannot be told exactly
+        without encoding (inside a piece or an added token, or text NFC would change)."""
         import bisect
         import unicodedata
 
@@ -285,13 +386,8 @@ class PieceCounter:
                 count += self.counts.get(piece) or self._piece_tokens(piece)
             return count if offset == char else None
 
-        total = 0
-        for start, end in spans:
-            first, last = tokens_before(start), tokens_before(end)
-            if first is None or last is None:
-                return None
-            total += last - first
-        return total
+        found = [tokens_before(char) for char in chars]
+        return None if None in found else found  # type: ignore[return-value]
 
 
 def template_problems(tokenizer, enable_thinking: bool, fmt: ChatFormat = QWEN) -> list[str]:

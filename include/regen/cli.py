@@ -41,8 +41,21 @@ def _add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (
             group.add_argument(flag, dest=name, default=None, metavar="A,B",
                                help=f"{help_text} (comma-separated; server args: one string)")
         else:
-            group.add_argument(flag, dest=name, default=None, type=base if base in (int, float) else str,
-                               help=help_text)
+            kind = base if base in (int, float) else str
+            nullable = type(None) in typing.get_args(field.annotation) and field.default is not None
+            group.add_argument(flag, dest=name, default=None, type=_or_none(kind) if nullable else kind,
+                               help=help_text + (" ('none': unset)" if nullable else ""))
+
+
+class _Unset:
+    """A flag given as 'none': the field set to null, over the YAML's value and the default."""
+
+
+def _or_none(kind: type):
+    def parse(text: str):
+        return _Unset if text.strip().lower() in ("none", "") else kind(text)
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def _base_type(annotation: Any) -> type:
@@ -69,7 +82,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
             value = [int(v) for v in str(value).split(",") if v.strip()]
         elif name == "extra_server_args":
             value = shlex.split(value)
-        out[name] = value
+        out[name] = None if value is _Unset else value
     return out
 
 

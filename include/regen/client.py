@@ -21,6 +21,7 @@ import msgspec
 
 from regen.config import RunConfig
 from regen.dispatch import ClientTuning, Endpoint, ServerPool
+from regen.turns import Conversation
 
 log = logging.getLogger("regen.client")
 
@@ -52,14 +53,16 @@ class Request:
 
 
 class Generator:
-    """Sends requests through a ServerPool and hands each finished row to ``sink``."""
+    """Regenerates conversations through a ServerPool, turn after turn; hands each finished
+    conversation's row to ``sink`` and each finished turn that is not the last to ``turn_sink``."""
 
     def __init__(self, pool: ServerPool, cfg: RunConfig, tuning: ClientTuning,
-                 sink: Callable[[dict], None]):
+                 sink: Callable[[dict], None], turn_sink: Callable[[dict], None] | None = None):
         self.pool = pool
         self.cfg = cfg
         self.tuning = tuning
         self.sink = sink
+        self.turn_sink = turn_sink or (lambda row: None)
         self.done = 0
         self.failed = 0
         self.tokens = 0
@@ -166,19 +169,30 @@ class Generator:
             "retryable": retryable,
         }
 
+    async def converse(self, conversation: Conversation) -> dict:
+        """The conversation's remaining turns, one request each, in order."""
+        while True:
+            row = await self.run_one(Request(conversation.id, conversation.request_messages(), conversation.stamp))
+            last = row["error"] is not None or conversation.turns_left == 1
+            self.pool.demand = max(0, self.pool.demand - (conversation.turns_left if last else 1))
+            if row["error"] is None:
+                self.tokens += row["completion_tokens"] or 0
+                self.recent.append((time.monotonic(), row["completion_tokens"] or 0))
+            if last:
+                return conversation.conversation_row(row)
+            self.turn_sink(conversation.add_answer(row))
+
     async def worker(self, queue: asyncio.Queue, feed: "_Feed") -> None:
         while True:
-            request = await queue.get()
-            if request is None:
+            conversation = await queue.get()
+            if conversation is None:
                 return
             feed.queued -= 1
             if feed.done and feed.queued == 0:
                 self.pool.draining = True
-            row = await self.run_one(request)
+            row = await self.converse(conversation)
             if row["error"] is None:
                 self.done += 1
-                self.tokens += row["completion_tokens"] or 0
-                self.recent.append((time.monotonic(), row["completion_tokens"] or 0))
             else:
                 self.failed += 1
             self.sink(row)
@@ -193,12 +207,12 @@ class Generator:
         span = max(now - self.recent[0][0], 1.0)
         return len(self.recent) / span, sum(n for _, n in self.recent) / span
 
-    async def run(self, requests: Iterable[Request]) -> None:
+    async def run(self, conversations: Iterable[Conversation]) -> None:
         capacity = max(1, self.pool.capacity)
         queue: asyncio.Queue = asyncio.Queue(maxsize=capacity * 2)
         feed = _Feed()
         workers = [asyncio.create_task(self.worker(queue, feed)) for _ in range(capacity)]
-        feeder = asyncio.create_task(feed.run(queue, requests, len(workers)))
+        feeder = asyncio.create_task(feed.run(queue, conversations, len(workers)))
         tasks = [*workers, feeder]
         try:
             pending = set(tasks)
@@ -214,16 +228,16 @@ class Generator:
 
 
 class _Feed:
-    """Puts the requests on the queue, counting what waits there, then one stop per worker."""
+    """Puts the conversations on the queue, counting what waits there, then one stop per worker."""
 
     def __init__(self) -> None:
         self.queued = 0
         self.done = False
 
-    async def run(self, queue: asyncio.Queue, requests: Iterable[Request], workers: int) -> None:
-        for count, request in enumerate(requests):
+    async def run(self, queue: asyncio.Queue, conversations: Iterable[Conversation], workers: int) -> None:
+        for count, conversation in enumerate(conversations):
             self.queued += 1
-            await queue.put(request)
+            await queue.put(conversation)
             if count % 256 == 0:
                 await asyncio.sleep(0)
         self.done = True

@@ -20,6 +20,8 @@ from regen.paths import DEMO_MODEL, DEMO_PROMPTS, PROJECT_ROOT, VAR_DIR
 
 Engine = Literal["sglang", "vllm", "sim"]
 SpeculativeAlgorithm = Literal["EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"]
+# SpecForge's chat templates regen can audit for (their markers: regen.chat.TRAIN_TEMPLATES).
+TrainTemplate = Literal["qwen3-thinking", "qwen3-next-thinking", "qwen", "qwen3-instruct"]
 
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 _HOST = re.compile(r"^[A-Za-z0-9.:\-\[\]]+$")
@@ -259,6 +261,14 @@ class RunConfig(BaseModel):
     )
 
     # --- Generation ------------------------------------------------------------------------
+    regenerate_turns: Literal["all", "last"] = Field(
+        "all",
+        title="Regenerate turns",
+        description="all: every assistant turn of a conversation, in order, each request holding the "
+                    "model's own earlier answers (as SpecForge does); last: only the final turn, after the "
+                    "dataset's original history.",
+        json_schema_extra=_section("Generation"),
+    )
     num_shards: int = Field(
         4,
         ge=1,
@@ -337,6 +347,23 @@ class RunConfig(BaseModel):
         json_schema_extra=_section("Audit"),
     )
 
+    train_template: TrainTemplate = Field(
+        "qwen3-thinking",
+        title="Training template",
+        description="SpecForge's chat template for training (its --chat-template): the audit renders "
+                    "each sample as its parser will. Templates whose parser drops reasoning_content are "
+                    "refused when thinking is on.",
+        json_schema_extra=_section("Audit"),
+    )
+    train_max_length: int | None = Field(
+        2048,
+        ge=16,
+        title="Training max length",
+        description="SpecForge's --max-length: tokens past it are cut before training (its default "
+                    "2048). Empty: no cut.",
+        json_schema_extra=_section("Audit"),
+    )
+
     @field_validator("model_path", "prompts", "output", "staging_dir", "engine_python", "remote_regen")
     @classmethod
     def _plain_path(cls, value: str | None) -> str | None:
@@ -391,13 +418,25 @@ class RunConfig(BaseModel):
             raise ValueError("base_port + number of servers passes 65535")
         return self
 
+    @model_validator(mode="after")
+    def _template_keeps_reasoning(self) -> "RunConfig":
+        from regen.chat import TRAIN_TEMPLATES
+
+        if self.enable_thinking and not TRAIN_TEMPLATES[self.train_template].keeps_reasoning:
+            raise ValueError(
+                f"train_template {self.train_template!r}: SpecForge's parser for it drops "
+                f"reasoning_content, so training would see empty think blocks; with thinking on use "
+                f"one of {[n for n, t in TRAIN_TEMPLATES.items() if t.keeps_reasoning]}")
+        return self
+
     def server_count_hint(self) -> int:
         return len(self.gpus) if self.gpus else self.num_servers
 
     def sampling(self) -> dict[str, Any]:
         """What is asked of the model for every request: part of every row's settings hash."""
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "seed": self.seed, "enable_thinking": self.enable_thinking}
+                "top_k": self.top_k, "seed": self.seed, "enable_thinking": self.enable_thinking,
+                "regenerate_turns": self.regenerate_turns}
 
     # --- Loading ---------------------------------------------------------------------------
     @classmethod
@@ -413,7 +452,7 @@ class RunConfig(BaseModel):
             data = read_config_file(path)
             file_schedule(data.pop("schedule", None), path)  # a deployment's key, checked here too
             base_dir = base_dir or path.resolve().parent
-        data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        data.update(overrides or {})  # a None here is a flag given as 'none', not a missing one
         return cls.from_mapping(data, source=source, base_dir=base_dir)
 
     @classmethod

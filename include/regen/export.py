@@ -2,10 +2,10 @@
 
 The shape is what SpecForge's ``scripts/regenerate_train_data.py`` writes:
 ``{"id", "conversations": [{"role", "content", "reasoning_content"?}, ...], "status": "success"}``,
-one line per prompt, ending with the regenerated assistant turn. Rows that would fail
+one line per prompt, every regenerated assistant turn with its reasoning. Rows that would fail
 ``scripts/validate_regenerated_data.py --expect-reasoning --strict-think-markers`` (failed
-prompts, empty answers, missing reasoning, leftover think markers) are left out and counted, so
-the file passes that validator as written.
+prompts, empty messages, roles out of order, an assistant turn without reasoning, leftover think
+markers) are left out and counted, so the file passes that validator as written.
 """
 
 from __future__ import annotations
@@ -36,27 +36,46 @@ class ExportResult:
 
 
 def why_left_out(row: dict, expect_reasoning: bool) -> str | None:
+    """Why SpecForge's validator (``--expect-reasoning --strict-think-markers``) would refuse the
+    row's conversation, or None: every message non-empty, an optional system prompt first, then
+    user and assistant alternating from a user turn to an assistant turn, every assistant turn
+    with non-empty reasoning and no think marker in its answer or reasoning."""
     if row.get("error") is not None:
         return "failed"
-    content = row.get("content") or ""
-    reasoning = row.get("reasoning_content")
-    if not content.strip():
-        return "empty answer"
-    if expect_reasoning and not (reasoning or "").strip():
-        return "no reasoning"
-    if any(m in content or m in (reasoning or "") for m in THINK_MARKERS):
-        return "think markers"
-    return None
+    conversation = sharegpt_record(row)["conversations"]
+    expected, seen_user = "user", False
+    for message in conversation:
+        role, content = message["role"], message.get("content")
+        if not isinstance(content, str) or not content.strip():
+            return "empty answer" if role == "assistant" else f"empty {role} message"
+        if role == "system" and not seen_user:
+            continue
+        if role != expected:
+            return "role order"
+        seen_user = True
+        expected = "assistant" if role == "user" else "user"
+        if role != "assistant":
+            continue
+        reasoning = message.get("reasoning_content")
+        if expect_reasoning and not (reasoning or "").strip():
+            return "no reasoning"
+        if any(m in text.lower() for m in THINK_MARKERS for text in (content, reasoning or "")):
+            return "think markers"
+    return None if conversation[-1]["role"] == "assistant" else "role order"
 
 
 def sharegpt_record(row: dict) -> dict:
+    """Every regenerated turn, each assistant turn with its reasoning, then the last one."""
     messages = row["messages"]
     if hasattr(messages, "tolist"):
         messages = messages.tolist()
-    assistant = {"role": "assistant", "content": row["content"]}
-    if row.get("reasoning_content") is not None:
-        assistant["reasoning_content"] = row["reasoning_content"]
-    conversations = [{"role": m["role"], "content": m["content"]} for m in messages] + [assistant]
+    conversations = []
+    for m in [*messages, {"role": "assistant", "content": row["content"],
+                          "reasoning_content": row.get("reasoning_content")}]:
+        message = {"role": m["role"], "content": m["content"]}
+        if m["role"] == "assistant" and m.get("reasoning_content") is not None:
+            message["reasoning_content"] = m["reasoning_content"]
+        conversations.append(message)
     return {"id": str(row["id"]), "conversations": conversations, "status": "success"}
 
 

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
 
 from regen.budget import NodeShare
-from regen.client import Generator, Request
+from regen.client import Generator
 from regen.config import RunConfig
 from regen.dispatch import ClientTuning, ServerPool, ShardFailed, open_endpoints, scrape_metrics
 from regen.layout import RunLayout
@@ -28,6 +28,7 @@ from regen.manifest import Manifest, ShardPrompts, prompt_hash, settings_hash, t
 from regen.progress import RunProgress, format_duration
 from regen.prompts import Prompt, PromptError, read_at
 from regen.store import Journal, ShardStore
+from regen.turns import Conversation
 
 log = logging.getLogger("regen.generate")
 
@@ -114,19 +115,28 @@ class ShardRun:
         log.warning("%d unreadable record(s) listed in %s", len(bad), self.store.errors_path)
         return len(bad)
 
-    def _requests(self, prompts: ShardPrompts, pending: set[str]) -> Iterator[Request]:
-        """The pending prompts, read where the index says they are, each checked against the
-        hash the index recorded: a file changed under a running shard fails it, clearly."""
+    def _conversations(self, prompts: ShardPrompts, pending: set[str],
+                       resumed: dict[str, list[dict]]) -> Iterator[Conversation]:
+        """The pending conversations, read where the index says they are, each checked against
+        the hash the index recorded (a file changed under a running shard fails it, clearly);
+        those with the most turns still to make first, as they are the longest chains of
+        requests, then in file order. A conversation cut mid-way resumes after its last turn."""
         kwargs = template_kwargs(self.cfg)
-        places = sorted((prompts.places[i] for i in pending), key=lambda p: p[1])
-        for item in read_at(self.cfg.prompts, places):
+        all_turns = self.cfg.regenerate_turns == "all"
+
+        def left(i: str) -> int:
+            return prompts.turns[i] - len(resumed.get(i, ())) if all_turns else 1
+
+        order = sorted(pending, key=lambda i: (-left(i), prompts.places[i][1]))
+        for item in read_at(self.cfg.prompts, [prompts.places[i] for i in order]):
             if isinstance(item, PromptError) or prompts.hashes.get(item.id) != prompt_hash(item.messages, kwargs):
                 raise ShardFailed(
                     f"{self.store.name}: {self.cfg.prompts} changed while the run went on (line "
                     f"{item.line} is not what was indexed); finished rows are kept. Clear the whole "
                     f"run to regenerate from the file as it is now")
-            yield Request(item.id, item.messages,
-                          {"prompt_hash": prompts.hashes[item.id], "settings_hash": self.settings_hash})
+            yield Conversation(item.id, item.messages,
+                               {"prompt_hash": prompts.hashes[item.id], "settings_hash": self.settings_hash},
+                               list(resumed.get(item.id, ())) if all_turns else [], all_turns)
 
     async def _run(self) -> ShardResult:
         doc = self.manifest.ensure(self.cfg, rebuild=self.rebuild_index)
@@ -153,15 +163,22 @@ class ShardRun:
                                        str(self.store.final))
                 log.info("%s: %d prompts, %d already have a row, %d to send", self.store.name, total,
                          skipped, total - skipped)
+                pending = set(prompts.ids) - settled
+                resumed = self.store.turns_done(prompts.hashes, self.settings_hash)
+                if resumed:
+                    log.info("%s: %d conversations resume after their last finished turn", self.store.name,
+                             len(set(resumed) & pending))
                 journal = Journal(self.store.journal_path)
                 share = NodeShare(self.layout, f"shard-{self.shard:05d}", self.run_id, eps)
                 pool = ServerPool(eps, self.tuning, share)
-                pool.demand = total - skipped
-                self.gen = Generator(pool, self.cfg, self.tuning, lambda row: self._sink(journal, row))
+                pool.demand = sum(prompts.turns[i] - len(resumed.get(i, ())) for i in pending) \
+                    if self.cfg.regenerate_turns == "all" else len(pending)
+                self.gen = Generator(pool, self.cfg, self.tuning, lambda row: self._sink(journal, row),
+                                     lambda row: self._append(journal, row))
                 self._report()
                 reporter = asyncio.create_task(self._reporter())
                 try:
-                    await self.gen.run(self._requests(prompts, set(prompts.ids) - settled))
+                    await self.gen.run(self._conversations(prompts, pending, resumed))
                 except BaseException:
                     self._report("failed")
                     raise
@@ -184,15 +201,17 @@ class ShardRun:
         self.progress.write_shard(self.shard, data)
         return result
 
-    def _sink(self, journal: Journal, row: dict) -> None:
+    def _append(self, journal: Journal, row: dict) -> None:
         try:
             journal.append(row)
         except OSError as exc:
             raise ShardFailed(f"{self.store.name}: cannot write {self.store.journal_path}: "
                               f"{exc.strerror or exc}") from exc
+
+    def _sink(self, journal: Journal, row: dict) -> None:
+        self._append(journal, row)
         if self.on_row is not None:
             self.on_row(row)
-        self.gen.pool.demand = self.total - self.skipped - self.gen.done - self.gen.failed
         if row["error"] is not None:
             self._check_errors()
 
@@ -316,10 +335,11 @@ def generate_rows(cfg: RunConfig, prompts: list[Prompt], endpoints: list[tuple[s
         rows: list[dict] = []
         async with open_endpoints(endpoints, cfg, tuning) as eps:
             pool = ServerPool(eps, tuning, NodeShare(RunLayout(cfg.output), "canary", "", eps))
-            pool.demand = len(prompts)
+            conversations = [Conversation(p.id, p.messages, all_turns=cfg.regenerate_turns == "all")
+                             for p in prompts]
+            pool.demand = sum(c.turn_count for c in conversations)
             try:
-                await Generator(pool, cfg, tuning, rows.append).run(
-                    Request(p.id, p.messages) for p in prompts)
+                await Generator(pool, cfg, tuning, rows.append).run(conversations)
             finally:
                 pool.close()
         return rows, pool.capacity

@@ -29,8 +29,10 @@ from regen.config import RunConfig
 from regen.errors import RegenError
 from regen.layout import RunLayout
 from regen.progress import atomic_write_json, read_json
+from regen.turns import user_turns
 
-INDEX_SCHEMA_FIELDS = ("id", "shard", "prompt_hash", "line", "offset")
+INDEX_SCHEMA_FIELDS = ("id", "shard", "prompt_hash", "line", "offset", "turns")
+INDEX_VERSION = 2  # an index written by an older regen (no turns) is rebuilt
 
 
 class ManifestError(RegenError):
@@ -102,6 +104,7 @@ class PromptIndexWriter:
         c["prompt_hash"].append(prompt_hash(prompt.messages, self.kwargs))
         c["line"].append(prompt.line)
         c["offset"].append(prompt.offset)
+        c["turns"].append(user_turns(prompt.messages))
 
     def write(self, layout: RunLayout) -> int:
         """The index, sorted by shard (a shard reads its slice only), beside the manifest."""
@@ -115,6 +118,7 @@ class PromptIndexWriter:
             "prompt_hash": pa.array(self.columns["prompt_hash"], pa.string()),
             "line": pa.array(self.columns["line"], pa.int64()),
             "offset": pa.array(self.columns["offset"], pa.int64()),
+            "turns": pa.array(self.columns["turns"], pa.int32()),
         })
         table = table.take(pc.sort_indices(table, [("shard", "ascending"), ("line", "ascending")]))
         layout.work.mkdir(parents=True, exist_ok=True)
@@ -131,6 +135,7 @@ class ShardPrompts:
     ids: list[str]
     hashes: dict[str, str]
     places: dict[str, tuple[int, int]]  # id -> (line, offset)
+    turns: dict[str, int]  # id -> user turns (the requests a conversation makes with regenerate_turns all)
 
 
 class Manifest:
@@ -158,6 +163,7 @@ class Manifest:
     def write_prompts(self, cfg: RunConfig, index: PromptIndexWriter, run_id: str) -> dict[str, Any]:
         count = index.write(self.layout)
         return self.update(run_id=run_id, num_shards=cfg.num_shards, sampling=cfg.sampling(),
+                           index_version=INDEX_VERSION,
                            prompts={**prompt_file_stat(cfg.prompts), "count": count,
                                     "chat_template_kwargs": template_kwargs(cfg),
                                     "unreadable": index.unreadable,
@@ -171,7 +177,7 @@ class Manifest:
         if not self.layout.prompt_index.exists() or not Path(cfg.prompts).exists():
             return None
         if ({k: prompts.get(k) for k in ("path", "size", "mtime_ns")} != prompt_file_stat(cfg.prompts)
-                or doc.get("num_shards") != cfg.num_shards
+                or doc.get("num_shards") != cfg.num_shards or doc.get("index_version") != INDEX_VERSION
                 or prompts.get("chat_template_kwargs") != template_kwargs(cfg)):
             return None
         return doc
@@ -203,8 +209,9 @@ class Manifest:
         import pyarrow.parquet as pq
 
         table = pq.read_table(self.layout.prompt_index, filters=[("shard", "=", shard)],
-                              columns=["id", "prompt_hash", "line", "offset"])
+                              columns=["id", "prompt_hash", "line", "offset", "turns"])
         ids = table["id"].to_pylist()
         return ShardPrompts(ids, dict(zip(ids, table["prompt_hash"].to_pylist())),
-                            dict(zip(ids, zip(table["line"].to_pylist(), table["offset"].to_pylist()))))
+                            dict(zip(ids, zip(table["line"].to_pylist(), table["offset"].to_pylist()))),
+                            dict(zip(ids, table["turns"].to_pylist())))
 

@@ -54,6 +54,7 @@ class SimSettings:
     ignore_thinking_after: int | None = None  # a server restarted mid-run without thinking
     startup_delay_s: float = 0.0
     fail_while: str | None = None  # while this file exists, prompts holding FAULT_MARKER get 500s
+    request_log: str | None = None  # append each request's messages here (JSON lines), for tests
     api_key: str | None = None
     speculative_algorithm: str | None = None
     reasoning_parser: str | None = None
@@ -256,6 +257,9 @@ def build_app(settings: SimSettings):
         except Exception:
             return JSONResponse({"object": "error", "message": "messages: field required",
                                  "type": "BadRequestError", "code": 400}, status_code=400)
+        if settings.request_log:
+            with open(settings.request_log, "a") as log_file:
+                log_file.write(json.dumps({"messages": messages}) + "\n")
         max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 2048)
         prompt_tokens = count_prompt_tokens(messages)
         if prompt_tokens + max_tokens > settings.context_length:
@@ -367,6 +371,8 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-fail-while", metavar="FILE", default=None,
                    help=f"while FILE exists, answer HTTP 500 to prompts containing {FAULT_MARKER!r} "
                    "(a fault that goes away, to test retries and clears)")
+    p.add_argument("--sim-request-log", metavar="FILE", default=None,
+                   help="append every chat request's messages to FILE (JSON lines)")
     p.add_argument("--sim-effective-max-running-requests", type=int, default=None,
                    help="run and report fewer requests than --max-running-requests, as SGLang does "
                    "on hybrid Mamba models (issue 38846)")
@@ -402,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         ignore_thinking_after=args.sim_ignore_thinking_after,
         startup_delay_s=args.sim_startup_delay,
         fail_while=args.sim_fail_while,
+        request_log=args.sim_request_log,
         api_key=args.api_key,
         speculative_algorithm=args.speculative_algorithm,
         reasoning_parser=args.reasoning_parser,

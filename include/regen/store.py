@@ -25,7 +25,9 @@ log = logging.getLogger("regen.store")
 
 ROW_SCHEMA = pa.schema([
     ("id", pa.string()),
-    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    # The last turn's request: earlier assistant turns are the regenerated ones, with reasoning.
+    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()),
+                                     ("reasoning_content", pa.string())]))),
     ("reasoning_content", pa.string()),
     ("content", pa.string()),
     ("finish_reason", pa.string()),
@@ -39,11 +41,15 @@ ROW_SCHEMA = pa.schema([
     ("latency_s", pa.float64()),
     ("prompt_hash", pa.string()),
     ("settings_hash", pa.string()),
+    # Every regenerated turn's outcome, in order (one for a single-turn prompt).
+    ("turns", pa.list_(pa.struct([("finish_reason", pa.string()), ("prompt_tokens", pa.int64()),
+                                  ("completion_tokens", pa.int64())]))),
 ])
 
 
 class Journal:
-    """Append-only JSONL of finished rows; the last row of an id wins."""
+    """Append-only JSONL of finished rows (the last row of an id wins) and of finished turns of
+    conversations still going on (``partial`` rows: see regen.turns)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -75,15 +81,18 @@ class Journal:
                         self.path, exc.strerror or exc)
 
     @staticmethod
-    def rows(path: Path) -> Iterator[dict]:
+    def rows(path: Path, partial: bool = False) -> Iterator[dict]:
+        """The finished rows, or with ``partial`` the turn rows."""
         if not path.exists():
             return
         with open(path, "rb") as fh:
             for raw in fh:
                 try:
-                    yield json.loads(raw)
+                    row = json.loads(raw)
                 except json.JSONDecodeError:
                     continue
+                if bool(row.get("partial")) is partial:
+                    yield row
 
 
 class ShardStore:
@@ -144,6 +153,16 @@ class ShardStore:
             else:
                 settled.discard(row["id"])
         return settled, file_ids
+
+    def turns_done(self, hashes: dict[str, str], settings_hash: str) -> dict[str, list[dict]]:
+        """Per conversation cut mid-way in an earlier attempt: the answers of its finished turns."""
+        from regen.turns import resumed_answers
+
+        rows: dict[str, list[dict]] = {}
+        for row in Journal.rows(self.journal_path, partial=True):
+            if hashes.get(row["id"]) == row.get("prompt_hash") and row.get("settings_hash") == settings_hash:
+                rows.setdefault(row["id"], []).append(row)
+        return {i: resumed_answers(r) for i, r in rows.items()}
 
     def complete(self, ids: list[str], settled: set[str], file_ids: set[str]) -> bool:
         """The shard file holds exactly these ids, each settled, and nothing waits in a journal."""

@@ -1,0 +1,95 @@
+"""The audit sees each sample as training will: SpecForge 0.2.0's own parser is the oracle.
+
+Multi- and single-turn rows with the real Qwen3 tokenizer and chat template go through `regen
+export` (the file training reads) into SpecForge's ThinkingParser / GeneralParser, and through
+regen's audit; the loss tokens must be equal sample by sample, uncut and at a max length that
+cuts most samples (about 20 s: SpecForge encodes every prefix).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import ROOT
+from regen.audit import AuditThresholds, audit_dataset
+from regen.config import ConfigError, RunConfig
+from regen.export import export_sharegpt
+from regen.store import ROW_SCHEMA
+from test_sglang_args import SGLANG_PYTHON
+
+ORACLE = ROOT / "tests" / "fixtures" / "specforge_oracle.py"
+WORDS = ("the light scatters because shorter wavelengths bend more; naïve café 東京 42 % "
+         "first we compute 17 * 23 = 391, then check: wait, is that right? yes. "
+         "def f(x):\n    return x ** 2\n\n- a list item\n- another").split(" ")
+UNCUT = 1_000_000
+
+
+def text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def make_rows(thinking: bool, count: int = 60) -> list[dict]:
+    """Rows as regen writes them: half single-turn, half with 2-3 regenerated turns (each earlier
+    assistant turn with its own reasoning), some with their own system prompt."""
+    rng = random.Random(7 if thinking else 8)
+    rows = []
+    for i in range(count):
+        turns = 1 if i % 2 == 0 else rng.choice((2, 3))
+        messages = [{"role": "system", "content": "Answer well.", "reasoning_content": None}] if i % 5 == 0 else []
+        for k in range(turns):
+            messages.append({"role": "user", "content": text(rng, rng.randint(5, 60)), "reasoning_content": None})
+            if k < turns - 1:
+                messages.append({"role": "assistant", "content": text(rng, rng.randint(5, 80)),
+                                 "reasoning_content": text(rng, rng.randint(20, 300)) if thinking else None})
+        rows.append({"id": f"r{i}", "messages": messages,
+                     "reasoning_content": text(rng, rng.randint(20, 600)) if thinking else None,
+                     "content": text(rng, rng.randint(3, 120)), "finish_reason": "stop",
+                     "completion_tokens": 100, "error": None, "enable_thinking": thinking,
+                     "turns": [{"finish_reason": "stop", "prompt_tokens": 10, "completion_tokens": 100}] * turns})
+    return rows
+
+
+def oracle(tokenizer_dir, export, template: str, lengths: list[int]) -> dict[str, list[int]]:
+    out = subprocess.run([str(SGLANG_PYTHON), str(ORACLE), str(tokenizer_dir), str(export), template,
+                          *map(str, lengths)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("template, thinking, cut_at", [("qwen3-thinking", True, 256), ("qwen3-instruct", False, 96)])
+def test_loss_tokens_equal_specforges_parser_uncut_and_cut(qwen3_tokenizer_dir, tmp_path, template, thinking, cut_at):
+    data = tmp_path / "out" / "data"
+    data.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(make_rows(thinking), schema=ROW_SCHEMA), data / "shard.parquet")
+    export = tmp_path / "train.jsonl"
+    assert export_sharegpt(data, export, expect_reasoning=thinking).written == 60
+
+    audited = {}
+    for length in (None, cut_at):
+        report = audit_dataset(data, qwen3_tokenizer_dir, tmp_path / f"audit-{length}",
+                               AuditThresholds(16, 1.0, template, length), default_thinking=thinking)
+        samples = pq.read_table(tmp_path / f"audit-{length}" / "samples.parquet").to_pylist()
+        audited[length] = {s["id"]: s for s in samples}
+        assert report.summary.audited == 60
+    expected = oracle(qwen3_tokenizer_dir, export, template, [UNCUT, cut_at])
+
+    uncut = {i: audited[None][i]["loss_tokens"] for i in expected}
+    cut = {i: audited[cut_at][i]["loss_tokens"] for i in expected}
+    assert uncut == {i: v[0] for i, v in expected.items()}
+    assert cut == {i: v[1] for i, v in expected.items()}
+    shortened = [i for i in expected if "cut" in audited[cut_at][i]["findings"]]
+    assert len(shortened) > 40  # the cut shortens most samples: the check means something
+    assert all(audited[cut_at][i]["tokens"] > cut_at for i in shortened)
+    assert sum(uncut.values()) > sum(cut.values())
+
+
+def test_a_template_that_drops_reasoning_is_refused_with_thinking_on():
+    with pytest.raises(ConfigError, match="train_template 'qwen'.*drops reasoning_content"):
+        RunConfig.from_mapping({"train_template": "qwen", "enable_thinking": True})
+    assert RunConfig.from_mapping({"train_template": "qwen", "enable_thinking": False}).train_template == "qwen"
