@@ -157,7 +157,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         sentences = corpus()
-        small, large = tmp / "small", tmp / "large"
+        small, large = tmp / "small" / "data", tmp / "large" / "data"
         make_dataset(small, args.samples, sentences)
         make_dataset(large, args.samples * 10, sentences)
         export = tmp / "train.jsonl"

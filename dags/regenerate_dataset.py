@@ -4,7 +4,8 @@
 Regenerates a training dataset with the *target* model, thinking traces on, over one inference
 server per GPU. One run = one regeneration:
 
-`preflight` → `stage_weights` → `start_servers` (setup) → `canary` → `generate` × shards → `audit`,
+`preflight` → `stage_weights` → `start_servers` (setup) → `canary` → (`approve`, when the run asks
+for a person's approval) → `generate` × shards → `audit`,
 with `stop_servers` (teardown) as soon as generation ends, whether the shards succeeded or not,
 so no GPU idles through the audit.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk import Asset, AssetAlias, AssetAny, Param, dag, get_current_context, task
 
 from regen import deployment
@@ -87,11 +89,30 @@ def start_servers(served_model_path: str, params=None) -> list[str]:
 def canary(params=None) -> dict:
     from regen.canary import canary
 
-    return _run(canary, params, run_id=_run_id())["estimate"]
+    result = _run(canary, params, run_id=_run_id())
+    return {"estimate": result["estimate"], "examples": result["examples"]}
+
+
+@task.branch(retries=0)
+def approval_gate(params=None) -> str:
+    """Straight to the shards, or through a person's approval when the run asks for one."""
+    return "approve" if params["approve_after_canary"] else "generate"
+
+
+APPROVAL_BODY = """The canary of **{{ dag_run.dag_id }}** passed: {{ ti.xcom_pull(task_ids='canary')['estimate']['text'] }}.
+
+{% for e in ti.xcom_pull(task_ids='canary')['examples'] %}
+**{{ e.id }}** ({{ e.turns }} turn(s))
+
+> reasoning: {{ e.reasoning_content | replace('\n', ' ') | truncate(400) }}
+>
+> answer: {{ e.content | replace('\n', ' ') | truncate(400) }}
+{% endfor %}
+Approve to start the shards; reject to stop the run here (its servers are stopped)."""
 
 
 @task(retries=SHARD_RETRIES, retry_delay=timedelta(seconds=SHARD_RETRY_DELAY_S), map_index_template="{{ shard_label }}",
-      pool=SHARD_POOL)
+      pool=SHARD_POOL, trigger_rule="none_failed_min_one_success")  # straight from the gate, or approved
 def generate(shard: int, params=None) -> str:
     from regen.generate import generate
 
@@ -149,7 +170,11 @@ def regeneration_dag(run: deployment.RunDefinition):
         model = stage_weights(shards)
         servers = start_servers(model)
         generated = generate.expand(shard=shards)
-        servers >> canary() >> generated >> audit.override(outlets=outlets)()
+        gate = approval_gate()
+        approve = ApprovalOperator(task_id="approve", subject="regen: start generating {{ dag_run.dag_id }}?",
+                                   body=APPROVAL_BODY, retries=0)
+        servers >> canary() >> gate >> [approve, generated]
+        approve >> generated >> audit.override(outlets=outlets)()
         generated >> stop_servers().as_teardown(setups=servers)
 
     return regenerate()

@@ -86,7 +86,7 @@ def make_config(tmp_path, tiny_model):
 def sim_servers(make_config):
     """Start simulated servers through regen's server manager; always stopped afterwards."""
     from regen.layout import RunLayout
-    from regen.servers import start_servers, stop_records, read_state
+    from regen.servers import read_state, start_servers, stop_servers
 
     started: list = []
 
@@ -98,8 +98,9 @@ def sim_servers(make_config):
 
     yield start
     for directory in started:
-        left = stop_records(read_state(directory), grace_s=5)
-        assert not left, left
+        records = read_state(directory)
+        stop_servers(directory, every=True, grace_s=5)  # the servers and the node's watchdog
+        assert not any(r.running() for r in records), records
 
 
 @pytest.fixture(scope="session")
@@ -174,13 +175,15 @@ def processes_with_env(name: str, value: str) -> list[int]:
 
 def airflow_env(home: Path, port: int, **extra: str) -> dict[str, str]:
     """An Airflow deployment of this project on loopback: its own home, API port, our DAG."""
-    return dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", AIRFLOW_HOME=str(home),
-                AIRFLOW__API__PORT=str(port), AIRFLOW__API__HOST="127.0.0.1",
-                AIRFLOW__CORE__LOAD_EXAMPLES="False",
-                AIRFLOW__CORE__DAGS_FOLDER=str(ROOT / "dags"),
-                AIRFLOW__CORE__PLUGINS_FOLDER=str(ROOT / "plugins"),
-                AIRFLOW__CORE__EXECUTION_API_SERVER_URL=f"http://127.0.0.1:{port}/execution/",
-                AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL="5", **extra)
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", AIRFLOW_HOME=str(home),
+               AIRFLOW__API__PORT=str(port), AIRFLOW__API__HOST="127.0.0.1",
+               AIRFLOW__CORE__LOAD_EXAMPLES="False",
+               AIRFLOW__CORE__DAGS_FOLDER=str(ROOT / "dags"),
+               AIRFLOW__CORE__PLUGINS_FOLDER=str(ROOT / "plugins"),
+               AIRFLOW__CORE__EXECUTION_API_SERVER_URL=f"http://127.0.0.1:{port}/execution/",
+               AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL="5")
+    env.pop("REGEN_CONFIG_DIR", None)
+    return {**env, **extra}
 
 
 class AirflowProcesses:
@@ -256,6 +259,20 @@ def wait_run(api, run_id: str, timeout: float) -> str:
     return api.get(path).json()["state"]
 
 
+OTHER_DAG = """
+from airflow.sdk import dag, task
+
+@dag(dag_id="not_regen", schedule=None, params={"output": "/"})
+def not_regen():
+    @task
+    def nothing():
+        return 0
+    nothing()
+
+not_regen()
+"""
+
+
 @pytest.fixture(scope="session")
 def airflow(tmp_path_factory):
     """`airflow standalone` on loopback (SQLite, LocalExecutor), shared by the UI and clear tests;
@@ -266,7 +283,13 @@ def airflow(tmp_path_factory):
 
     home = tmp_path_factory.mktemp("standalone")
     port = free_port_base(1)
-    cluster = AirflowProcesses(home, airflow_env(home, port, REGEN_SHARD_RETRIES="0"))
+    dags = home / "dags"  # regen's DAG files, and one DAG that is not regen's
+    dags.mkdir()
+    for dag_file in (ROOT / "dags").glob("*.py"):
+        (dags / dag_file.name).symlink_to(dag_file)
+    (dags / "not_regen.py").write_text(OTHER_DAG)
+    cluster = AirflowProcesses(home, airflow_env(home, port, REGEN_SHARD_RETRIES="0",
+                                                 AIRFLOW__CORE__DAGS_FOLDER=str(dags)))
     cluster.start("standalone", "standalone")
     base = f"http://127.0.0.1:{port}"
     try:

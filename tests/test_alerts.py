@@ -61,3 +61,50 @@ def test_a_run_well_past_the_canary_estimate_alerts_once(tmp_path, monkeypatch):
     assert alert["stage"] == "generate" and "2.5x past the canary's estimate" in alert["reason"]
     assert check_overdue(tmp_path / "out") is None  # once
     assert len((tmp_path / "alerts.jsonl").read_text().splitlines()) == 1
+
+
+def test_alerts_go_through_the_deployments_airflow_notifier_off_the_callers_thread(monkeypatch):
+    """The apprise provider's AppriseNotifier, configured by environment only, posting to a real
+    HTTP endpoint on loopback that holds the request: send() returns before the delivery ends."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from regen.alerts import wait_for_deliveries
+
+    received, got, release = [], threading.Event(), threading.Event()
+
+    class Endpoint(BaseHTTPRequestHandler):
+        def do_POST(self):
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            got.set()
+            release.wait(30)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Endpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("AIRFLOW_CONN_REGEN_ALERTS", json.dumps({
+        "conn_type": "apprise", "extra": {"config": {"path": f"json://127.0.0.1:{server.server_port}/"}}}))
+    monkeypatch.setenv("REGEN_NOTIFIERS", json.dumps([{
+        "class": "airflow.providers.apprise.notifications.apprise.AppriseNotifier",
+        "kwargs": {"apprise_conn_id": "regen_alerts"}, "message_field": "body", "title_field": "title"}]))
+    try:
+        send("servers", "server 1 (port 30001) died; restart 1 of 3")
+        assert got.wait(30)  # the endpoint has the alert and holds it ...
+        assert not release.is_set()  # ... while send() has long returned to its caller
+        release.set()
+        wait_for_deliveries()
+    finally:
+        release.set()
+        server.shutdown()
+    assert received[0]["message"] == "regen: servers server 1 (port 30001) died; restart 1 of 3"
+    assert received[0]["title"] == "regen: servers"
+
+
+def test_a_malformed_notifier_setting_is_named(monkeypatch):
+    monkeypatch.setenv("REGEN_NOTIFIERS", "{not json")
+    with pytest.raises(ValueError, match="REGEN_NOTIFIERS"):
+        send("audit", "failed")

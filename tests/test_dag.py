@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -80,7 +81,8 @@ def test_stages_are_wired_in_order_with_a_teardown():
     assert down["preflight"] >= {"stage_weights"}
     assert "start_servers" in down["stage_weights"]
     assert "canary" in down["start_servers"]
-    assert "generate" in down["canary"]
+    assert down["canary"] == {"approval_gate"}
+    assert down["approval_gate"] == {"approve", "generate"} and down["approve"] == {"generate"}
     assert down["generate"] >= {"audit", "stop_servers"}
     assert dag.get_task("start_servers").is_setup
     assert dag.get_task("stop_servers").is_teardown
@@ -234,3 +236,27 @@ def test_scheduled_reruns_are_incremental(airflow_db, make_config, tmp_path):
     assert _sent(grown) == 100  # exactly the new prompts
     df = pd.read_parquet(f"{cfg.output}/data")
     assert len(df) == 380 and df["id"].is_unique
+
+
+def test_the_api_key_is_in_no_log_and_no_file_regen_writes(airflow_db, make_config, tmp_path, capfd, monkeypatch):
+    """SGLang (and the simulator, as SGLang does) logs its arguments, API key included: after a
+    whole run and after a failed server start, neither the task logs nor any file under the
+    output holds the key; the server logs hold the redaction mark instead."""
+    from regen.servers import ServerError, start_servers
+
+    monkeypatch.setenv("REGEN_KEY_DIR", str(tmp_path / "keys"))
+    key = "regen-test-key-" + "k3y" * 8
+    cfg = make_config(api_key=key, num_shards=2)
+    assert load_dag().test(run_conf=_conf(cfg)).state == "success"
+    broken = make_config(api_key=key, output=str(tmp_path / "broken"))
+    (tmp_path / "not-a-model").mkdir()
+    with pytest.raises(ServerError) as failed:
+        start_servers(broken, str(tmp_path / "not-a-model"))
+    assert "server_args" in str(failed.value) and key not in str(failed.value)  # the tail, redacted
+    logs = capfd.readouterr()
+    assert key not in logs.out and key not in logs.err
+    written = [p for out in (cfg.output, broken.output) for p in Path(out).rglob("*") if p.is_file()]
+    assert [p for p in written if key.encode() in p.read_bytes()] == []
+    server_logs = [p for p in written if p.name.startswith("server-") and p.suffix == ".log"]
+    assert server_logs and all(b"api_key='<redacted>'" in p.read_bytes() for p in server_logs)
+    assert all(p.stat().st_mode & 0o077 == 0 for p in server_logs)  # owner only

@@ -68,7 +68,7 @@ def test_a_server_that_crashes_while_starting_fails_with_its_log_tail(make_confi
 def test_teardown_kills_children_that_ignore_sigterm(make_config):
     cfg = make_config(num_servers=1, extra_server_args=["--sim-orphan-child"])
     records = start_servers(cfg, cfg.model_path)
-    assert len(session_pids(records[0].pid)) == 2  # the server and its stubborn child
+    assert len(session_pids(records[0].pid)) == 3  # the log relay, the server and its stubborn child
     left = stop_records(records, grace_s=1)
     assert left == []
     assert session_pids(records[0].pid) == []

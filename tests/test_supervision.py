@@ -193,3 +193,37 @@ def test_failed_shards_resume_from_either_clear_the_ui_offers(airflow, make_conf
             "include_downstream": True, "include_upstream": False, "only_failed": False,
             "reset_dag_runs": True})
     assert_clean_success(api, run_id, cfg)
+
+
+@pytest.mark.slow
+def test_a_person_approves_or_rejects_the_run_after_the_canary(airflow, make_config, tmp_path):
+    """approve_after_canary under a real scheduler, answered through the REST API as the UI's
+    human-in-the-loop form does: approve, the shards run; reject, the run stops before
+    generation with no server left. About a minute."""
+    base, headers = airflow["base"], {"Authorization": f"Bearer {airflow['token']}"}
+    api = httpx.Client(base_url=f"{base}/api/v2", headers=headers, timeout=30)
+
+    def answer(run_id: str, option: str) -> None:
+        path = f"/dags/regenerate_dataset/dagRuns/{run_id}/taskInstances/approve/-1/hitlDetails"
+        wait_until(lambda: shard_states(api, run_id).get(("approve", -1)) == "deferred", 300, "the approval asked")
+        detail = api.get(path).json()
+        assert "canary" in detail["body"] and "tok/s" in detail["body"]  # the estimate, and examples
+        assert set(detail["options"]) == {"Approve", "Reject"}
+        assert not any(k[0] == "generate" and v for k, v in shard_states(api, run_id).items())  # nothing started
+        answered = api.patch(path, json={"chosen_options": [option]})
+        assert answered.status_code == 200, answered.text
+
+    cfg = make_config(approve_after_canary=True, output=str(tmp_path / "approved"), sim_tokens_per_second=2000)
+    run_id = trigger_run(api, cfg)
+    answer(run_id, "Approve")
+    assert_clean_success(api, run_id, cfg)
+
+    cfg = make_config(approve_after_canary=True, output=str(tmp_path / "rejected"), sim_tokens_per_second=2000)
+    run_id = trigger_run(api, cfg)
+    answer(run_id, "Reject")
+    wait_run(api, run_id, 300)
+    states = shard_states(api, run_id)
+    assert states[("approve", -1)] == "success" and states[("stop_servers", -1)] == "success"
+    assert {v for k, v in states.items() if k[0] in ("generate", "audit")} == {"skipped"}
+    assert not (Path(cfg.output) / "data").exists()
+    wait_until(lambda: processes_with_args("--port", str(cfg.base_port)) == [], 30, "no server left")

@@ -1,8 +1,8 @@
 """The run page in a real Airflow: `airflow standalone` on loopback, a run triggered through the
 REST API, the page checked in headless Chromium (Debian's), and refused without a token.
 
-Costs about a minute (standalone start-up, a scheduled run). Saves a screenshot to
-test-artifacts/run-page.png.
+Costs about two minutes (standalone start-up, two runs). Saves screenshots to
+test-artifacts/run-page.png and test-artifacts/samples-viewer.png.
 """
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from conftest import ROOT, trigger_run, wait_run
+from conftest import ROOT, trigger_run, wait_run, wait_until
 
 ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM = "/usr/bin/chromium"
 
 
 @pytest.mark.slow
-def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, make_config):
+def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, make_config, tmp_path):
     from playwright.sync_api import sync_playwright
 
     base, headers = airflow["base"], {"Authorization": f"Bearer {airflow['token']}"}
@@ -50,4 +50,33 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
             assert f"shard {i}/3" in shards
         assert "280" in page.inner_text("#summary")
         page.screenshot(path=str(ARTIFACTS / "run-page.png"), full_page=True)
+        assert "script-src 'nonce-" in response.headers["content-security-policy"]
+
+        # The samples viewer, in the report the page embeds: conversations as training sees them.
+        report = page.context.new_page()
+        assert report.goto(f"{page_url}/report").headers["content-security-policy"].startswith("default-src 'none'")
+        report.click("details.sample-view >> nth=0")
+        assert report.locator("details.sample-view").count() >= 5
+        assert report.locator("details.sample-view[open] mark").count() >= 1  # the loss spans
+        report.screenshot(path=str(ARTIFACTS / "samples-viewer.png"), full_page=True)
+
+        # A run whose output path is markup: shown as text, no script runs.
+        evil = tmp_path / "<img src=x onerror=window.pwned=1>"
+        xss_run = trigger_run(api, make_config(output=str(evil), num_shards=1, sim_tokens_per_second=2000))
+        assert wait_run(api, xss_run, 300) == "success"
+        dialogs = []
+        page = context.new_page()
+        page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+        page.goto(f"{base}/regen/runs/regenerate_dataset/{xss_run}")
+        page.wait_for_selector("#verdict", timeout=30000)
+        assert "<img src=x onerror=window.pwned=1>" in page.inner_text("#output")
+        assert page.evaluate("window.pwned") is None and dialogs == []
+        assert page.locator("#summary img").count() == 0
         browser.close()
+
+    # Another DAG's run: not served, whatever its conf says.
+    wait_until(lambda: api.get("/dags/not_regen").status_code == 200, 120, "the other DAG parsed")
+    created = api.post("/dags/not_regen/dagRuns", json={"logical_date": None, "conf": {"output": "/"}})
+    assert created.status_code == 200, created.text
+    other = httpx.get(f"{base}/regen/runs/not_regen/{created.json()['dag_run_id']}/data", headers=headers)
+    assert other.status_code == 404 and "not a regen DAG" in other.text

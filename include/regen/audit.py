@@ -414,10 +414,30 @@ def audit_dataset(data: str | Path, tokenizer_dir: str | Path, report_dir: str |
     samples_tmp.replace(report_dir / "samples.parquet")
     report = AuditReport(summary, thresholds, report_dir, provenance.to_json())
     (report_dir / "summary.json").write_text(json.dumps(report.to_json(), indent=1))
+    views = sample_views(layout, report_dir / "samples.parquet", str(tokenizer_dir), thresholds)
+    (report_dir / "samples_view.json").write_text(json.dumps(views, indent=1))
     from regen.report import render_html
 
-    (report_dir / "report.html").write_text(render_html(report))
+    (report_dir / "report.html").write_text(render_html(report, views))
     return report
+
+
+def sample_views(layout: RunLayout, samples: Path, tokenizer_dir: str, thresholds: AuditThresholds) -> list[dict]:
+    """The samples viewer's conversations (regen.viewer): one more pass over the data for them."""
+    from regen import viewer
+
+    why = viewer.pick(samples)
+    results: dict[str, dict] = {}
+    for s in pq.read_table(samples).to_pylist():
+        if s["id"] in why:
+            results.setdefault(s["id"], s)
+    rows: dict[str, dict] = {}
+    for batch in iter_batches(layout):
+        for row in batch:
+            if row["id"] in why:
+                rows.setdefault(row["id"], row)
+    return viewer.build(list(rows.values()), results, why, load_tokenizer(tokenizer_dir),
+                        thresholds.train_template, thresholds.train_max_length)
 
 
 def audit(cfg: RunConfig, data: str | None = None, tokenizer: str | None = None,

@@ -109,6 +109,9 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
     return result
 
 
+EXAMPLE_CHARS = 600  # of each example's reasoning and answer, for a person approving the run
+
+
 def canary(cfg: RunConfig, run_id: str | None = None) -> dict:
     """The canary stage, against the servers start_servers recorded (with ``run_id``, brought up
     here when they are gone, as a shard does)."""
@@ -119,5 +122,8 @@ def canary(cfg: RunConfig, run_id: str | None = None) -> dict:
     if result.problems:
         raise CanaryFailed("\n".join(result.problems))
     return {"passed": True, "samples": len(result.rows), "estimate": result.estimate,
+            "examples": [{"id": r["id"], "turns": len(r.get("turns") or [1]),
+                          "reasoning_content": (r["reasoning_content"] or "")[:EXAMPLE_CHARS],
+                          "content": (r["content"] or "")[:EXAMPLE_CHARS]} for r in result.rows[:3]],
             "summary": f"canary passed: {len(result.rows)} samples; estimate: "
                        f"{result.estimate.get('text', 'n/a')}"}

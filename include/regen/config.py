@@ -330,6 +330,15 @@ class RunConfig(BaseModel):
         json_schema_extra=_section("Canary"),
     )
 
+    approve_after_canary: bool = Field(
+        False,
+        title="Approve after the canary",
+        description="A person approves the run in Airflow (human-in-the-loop task) after reading the "
+                    "canary's examples and estimate; reject stops the run before generation, servers "
+                    "stopped.",
+        json_schema_extra=_section("Canary"),
+    )
+
     # --- Audit -----------------------------------------------------------------------------
     min_loss_tokens: int = Field(
         16,

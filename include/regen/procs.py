@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -79,10 +80,15 @@ def signal_session(pid: int, ticks: int | None, sig: int) -> bool:
     return True
 
 
-def spawn(argv: list[str], log_path: Path, env: dict[str, str], cwd: Path) -> subprocess.Popen:
-    """A server in a session of its own, its output appended to ``log_path`` (owner-only)."""
+def spawn(argv: list[str], log_path: Path, env: dict[str, str], cwd: Path,
+          secret: str | None = None) -> subprocess.Popen:
+    """A server in a session of its own, its output appended to ``log_path`` (owner-only);
+    with a ``secret``, through :mod:`regen.logrelay`, which takes it out of the log."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.chmod(log_path, 0o600)
+    if secret:
+        argv = [sys.executable, "-m", "regen.logrelay", str(log_path), "--", *argv]
+        env = {**env, "REGEN_LOG_SECRET": secret}
     with os.fdopen(fd, "ab") as log_fh:
         proc = subprocess.Popen(argv, stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env, start_new_session=True, cwd=cwd)

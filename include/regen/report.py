@@ -1,4 +1,5 @@
-"""The audit's report.html: verdict, findings and histograms, self-contained (one file)."""
+"""The audit's report.html: verdict, findings, histograms and the samples viewer, self-contained
+(one file, no script)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,10 @@ def _histogram_png(values: Iterable[int], title: str, xlabel: str, threshold: in
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def render_html(report: AuditReport) -> str:
+def render_html(report: AuditReport, views: list[dict] | None = None) -> str:
     from html import escape
+
+    from regen.viewer import render_html as render_views
 
     data = report.to_json()
     s = report.summary
@@ -58,10 +61,14 @@ def render_html(report: AuditReport) -> str:
     lines = "".join(f"<li>{escape(line)}</li>" for line in report.lines())
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>regen audit</title>
 <style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}td,th{{padding:.2em .8em;text-align:right}}
-td:first-child{{text-align:left}}.verdict{{color:#fff;background:{colour};padding:.3em .8em}}</style></head>
+td:first-child{{text-align:left}}.verdict{{color:#fff;background:{colour};padding:.3em .8em}}
+.muted{{color:#777}}pre.sample{{white-space:pre-wrap;background:#fafafa;border:1px solid #ddd;padding:.6em;font-size:.85em}}
+mark{{background:#fff2b3}}.after-cut{{color:#aaa}}.cut-marker{{color:#c62828;font-weight:bold}}.gap{{color:#777;font-style:italic}}
+details.sample-view{{margin:.4em 0}}summary{{cursor:pointer}}</style></head>
 <body><h1>regen audit <span class="verdict" id="verdict">{report.verdict()}</span></h1>
 <ul>{lines}</ul>
 <h2>Findings</h2><table><tr><th>finding</th><th>samples</th><th>fraction</th></tr>{rows}</table>
 <h2>Distributions</h2><img alt="loss tokens histogram" src="data:image/png;base64,{loss_png}">
 <img alt="completion tokens histogram" src="data:image/png;base64,{comp_png}">
-{example}</body></html>"""
+{example}
+{render_views(views or [])}</body></html>"""

@@ -14,6 +14,7 @@ engine's adapter (:mod:`regen.engines`).
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -142,20 +143,37 @@ def read_state(layout: RunLayout) -> list[ServerRecord]:
     if not path.exists():
         return []
     known = {f.name for f in fields(ServerRecord)}
-    return [ServerRecord(**{k: v for k, v in item.items() if k in known})
+    keys_path = key_file(layout)
+    keys = json.loads(keys_path.read_text())["keys"] if keys_path.exists() else {}
+    return [ServerRecord(**{k: v for k, v in item.items() if k in known} | {"api_key": keys.get(str(item["index"]))})
             for item in json.loads(path.read_text())["servers"]]
 
 
+def key_file(layout: RunLayout) -> Path:
+    """Where the servers' API keys of an output directory are kept: outside it (an output is
+    shared, copied and archived), in an owner-only folder of the node's user."""
+    root = Path(os.environ.get("REGEN_KEY_DIR") or Path.home() / ".cache" / "regen" / "keys")
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return root / (hashlib.sha256(str(layout.root.resolve()).encode()).hexdigest()[:24] + ".json")
+
+
+def _write_private(path: Path, doc: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(doc, fh, indent=2)
+    os.replace(tmp, path)
+
+
 def write_state(layout: RunLayout, records: Sequence[ServerRecord]) -> None:
-    path = layout.servers_state
+    """servers.json without the keys; the keys in :func:`key_file`."""
+    path, keys = layout.servers_state, key_file(layout)
     if not records:
         path.unlink(missing_ok=True)
+        keys.unlink(missing_ok=True)
         return
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds the API key
-    with os.fdopen(fd, "w") as fh:
-        json.dump({"servers": [asdict(r) for r in records]}, fh, indent=2)
-    os.replace(tmp, path)
+    _write_private(keys, {"keys": {str(r.index): r.api_key for r in records}})
+    _write_private(path, {"servers": [{**asdict(r), "api_key": None} for r in records]})
 
 
 def log_tail(path: str | Path, lines: int = 20) -> str:
@@ -253,7 +271,7 @@ def relaunch(layout: RunLayout, index: int) -> ServerRecord | None:
         if record is None or record.running() or procs.session_pids(record.pid):
             return record
         argv = [record.api_key if arg == KEY_PLACEHOLDER else arg for arg in record.launch or []]
-        proc = procs.spawn(argv, Path(record.log_path), server_env(record.gpu), layout.servers)
+        proc = procs.spawn(argv, Path(record.log_path), server_env(record.gpu), layout.servers, record.api_key)
         record.pid, record.start_ticks = proc.pid, procs.start_ticks(proc.pid)
         write_state(layout, records)
         log.info("server %d relaunched: pid %d, port %d", index, proc.pid, record.port)
@@ -314,7 +332,7 @@ def _launch(cfg: RunConfig, layout: RunLayout, model_path: str, fingerprint: str
         for index, gpu, port in to_launch:
             argv = build_command(cfg, model_path, port, api_key)
             log_path = layout.server_log(index)
-            proc = procs.spawn(argv, log_path, server_env(gpu), layout.servers)
+            proc = procs.spawn(argv, log_path, server_env(gpu), layout.servers, api_key)
             record = ServerRecord(index, gpu, cfg.host, port, proc.pid, str(log_path), api_key,
                                   procs.start_ticks(proc.pid), node_name(), run_id,
                                   launch_args(cfg, model_path, port, api_key), model_path, fingerprint)

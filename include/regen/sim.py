@@ -386,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     args = argument_parser().parse_args(argv)
+    # As SGLang does at start-up: every resolved argument, the API key included.
+    print(f"server_args=ServerArgs({', '.join(f'{k}={v!r}' for k, v in vars(args).items())})", flush=True)
     context = args.context_length
     if args.model_path:
         if not (Path(args.model_path) / "config.json").is_file():

@@ -60,6 +60,8 @@ def watch(layout: RunLayout, idle_shutdown_s: float | None, poll_s: float = 1.0)
                     message += f" failed: {exc}"
                     log.error(message)
                 send("servers", message, output=str(layout.root))
+        elif not any(record.running() for record in records):
+            return "no server running and no shard needs one"
         elif idle_shutdown_s and now - last_active >= idle_shutdown_s:
             stopped, _ = stop_servers(layout, every=True, keep_watchdog=True)
             reason = f"no shard used the servers for {idle_shutdown_s:.0f} s: stopped {stopped}"

@@ -9,8 +9,16 @@ token (the UI's cookie, or a Bearer header) is checked by the deployment's auth 
 
 # No `from __future__ import annotations` here: FastAPI must see the real dependency types of
 # the routes, which are defined inside create_app.
+import html
+import secrets
+
 from regen.config import RunConfig
 from regen.layout import RunLayout
+
+PAGE_CSP = ("default-src 'none'; script-src 'nonce-{nonce}'; style-src 'unsafe-inline'; connect-src 'self'; "
+            "frame-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'self'")
+REPORT_CSP = ("default-src 'none'; img-src data:; style-src 'unsafe-inline'; base-uri 'none'; "
+              "form-action 'none'; frame-ancestors 'self'")
 
 
 def run_config(dag_id: str, conf: "dict | None") -> "RunConfig | None":
@@ -50,6 +58,15 @@ def create_app():
     app = FastAPI(title="regen run page")
     guard = [Depends(requires_access_dag(method="GET", access_entity=DagAccessEntity.RUN))]
 
+    @app.middleware("http")
+    async def content_security_policy(request, call_next):
+        """Every response says what may run in it: the page's own script (by nonce), nothing
+        else; the report and the data run nothing at all."""
+        response = await call_next(request)
+        response.headers.setdefault("Content-Security-Policy", REPORT_CSP)
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        return response
+
     def config_of(dag_id: str, run_id: str, session) -> RunConfig:
         run = session.scalar(select(DagRun).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
         if run is None:
@@ -62,7 +79,9 @@ def create_app():
     @app.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse, dependencies=guard)
     def page(dag_id: str, run_id: str, session: SessionDep) -> str:
         config_of(dag_id, run_id, session)
-        return PAGE.replace("__TITLE__", f"{dag_id} / {run_id}")
+        nonce = secrets.token_urlsafe(16)
+        body = PAGE.replace("__TITLE__", html.escape(f"{dag_id} / {run_id}")).replace("__NONCE__", nonce)
+        return HTMLResponse(body, headers={"Content-Security-Policy": PAGE_CSP.format(nonce=nonce)})
 
     @app.get("/runs/{dag_id}/{run_id}/data", dependencies=guard)
     def data(dag_id: str, run_id: str, session: SessionDep) -> dict:
@@ -89,44 +108,72 @@ td:first-child,th:first-child{text-align:left}.bar{background:#e8eef8;width:12em
 .fill{background:#4472c4;height:100%}.PASS{background:#2e7d32}.FAIL{background:#c62828}
 .verdict{color:#fff;padding:.2em .7em;border-radius:3px}.muted{color:#777}
 </style></head><body>
-<h1>regen run <span class="muted">__TITLE__</span></h1>
+<h1>regen run <span class="muted" id="title">__TITLE__</span></h1>
 <div id="summary" class="muted">loading...</div>
 <h2>Tokens per second</h2><svg id="chart" width="640" height="160" style="border:1px solid #ddd"></svg>
 <h2>Shards</h2><table id="shards"></table>
 <h2>Servers</h2><table id="servers"></table>
 <h2>Audit</h2><div id="audit" class="muted">not run yet</div>
-<script>
+<script nonce="__NONCE__">
+// Everything from the run goes in as text (textContent, attributes set one by one): a path or a
+// finding can hold any character, and none of it is ever parsed as HTML.
 const fmt = n => n == null ? "?" : Number(n).toLocaleString();
 const dur = s => s == null ? "?" : s < 120 ? Math.round(s) + " s" : s < 7200 ? Math.round(s / 60) + " min" : (s / 3600).toFixed(1) + " h";
-function row(cells, head) { const tag = head ? "th" : "td"; return "<tr>" + cells.map(c => `<${tag}>${c}</${tag}>`).join("") + "</tr>"; }
-function bar(done, total) { const pct = total ? Math.round(100 * done / total) : 0; return `<span class="bar"><span class="fill" style="display:block;width:${pct}%"></span></span> ${pct}%`; }
-function chart(history) {
-  const svg = document.getElementById("chart"); if (!history.length) { svg.innerHTML = ""; return; }
-  const t0 = history[0].t, t1 = history[history.length - 1].t || t0 + 1, ymax = Math.max(1, ...history.map(h => h.tokens_per_s));
-  const pts = history.map(h => `${10 + 620 * (h.t - t0) / Math.max(1, t1 - t0)},${150 - 140 * h.tokens_per_s / ymax}`).join(" ");
-  svg.innerHTML = `<polyline fill="none" stroke="#4472c4" stroke-width="2" points="${pts}"/><text x="12" y="14" font-size="11">${fmt(Math.round(ymax))} tok/s</text>`;
+const SVG = "http://www.w3.org/2000/svg";
+function el(tag, attrs, ...children) {
+  const node = tag.startsWith("svg:") ? document.createElementNS(SVG, tag.slice(4)) : document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
+  for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  return node;
+}
+function table(id, head, rows) {
+  const t = document.getElementById(id);
+  t.replaceChildren(el("tr", {}, ...head.map(h => el("th", {}, h))), ...rows.map(r => el("tr", {}, ...r.map(c => el("td", {}, c)))));
+}
+function bar(done, total) {
+  const pct = total ? Math.round(100 * done / total) : 0;
+  const fill = el("span", {class: "fill"}); fill.style.display = "block"; fill.style.width = pct + "%";
+  return el("span", {}, el("span", {class: "bar"}, fill), " " + pct + "%");
+}
+function chart(history, progress) {
+  // A point every few seconds; a run shorter than that still shows where it stands now.
+  const points = history.slice();
+  if (progress.updated && (!points.length || progress.updated > points[points.length - 1].t)) {
+    points.push({t: progress.updated, tokens_per_s: progress.tokens_per_s || 0, done: progress.done || 0});
+  }
+  const svg = document.getElementById("chart"); svg.replaceChildren();
+  if (!points.length) { svg.append(el("svg:text", {x: 12, y: 80, "font-size": 12}, "no throughput yet")); return; }
+  if (points.length === 1) points.unshift({t: points[0].t - 1, tokens_per_s: 0, done: 0});
+  const t0 = points[0].t, t1 = points[points.length - 1].t, ymax = Math.max(1, ...points.map(h => h.tokens_per_s));
+  const xy = h => `${10 + 620 * (h.t - t0) / Math.max(1, t1 - t0)},${150 - 140 * h.tokens_per_s / ymax}`;
+  svg.append(el("svg:polyline", {fill: "none", stroke: "#4472c4", "stroke-width": 2, points: points.map(xy).join(" ")}));
+  for (const h of points) { const [x, y] = xy(h).split(","); svg.append(el("svg:circle", {cx: x, cy: y, r: 2.5, fill: "#4472c4"})); }
+  svg.append(el("svg:text", {x: 12, y: 14, "font-size": 11}, `${fmt(Math.round(ymax))} tok/s peak, ${dur(t1 - t0)} shown`));
 }
 async function refresh() {
-  const r = await fetch(location.pathname.replace(/\\/$/, "") + "/data", {credentials: "same-origin"});
+  const r = await fetch(location.pathname.replace(/\/$/, "") + "/data", {credentials: "same-origin"});
   if (!r.ok) { document.getElementById("summary").textContent = "error " + r.status; return; }
   const d = await r.json(), p = d.progress || {}, canary = p.canary || {};
-  document.getElementById("summary").innerHTML =
-    `<b>${fmt(p.done)}</b> of ${fmt(p.total)} done, ${fmt(p.failed)} failed, ${fmt(Math.round(p.tokens_per_s || 0))} tok/s, ETA ${dur(p.eta_s)}` +
-    (canary.estimate && canary.estimate.text ? ` &middot; canary estimate: ${canary.estimate.text}` : "") + ` &middot; <span class="muted">${d.output}</span>`;
-  chart(d.history);
+  document.getElementById("summary").replaceChildren(
+    el("b", {}, fmt(p.done)), ` of ${fmt(p.total)} done, ${fmt(p.failed)} failed, ${fmt(Math.round(p.tokens_per_s || 0))} tok/s, ETA ${dur(p.eta_s)}`,
+    canary.estimate && canary.estimate.text ? ` \u00b7 canary estimate: ${canary.estimate.text}` : "",
+    " \u00b7 ", el("span", {class: "muted", id: "output"}, d.output));
+  chart(d.history || [], p);
   const shards = Object.values(p.shards || {}).sort((a, b) => a.shard - b.shard);
-  document.getElementById("shards").innerHTML = row(["shard", "state", "progress", "done", "failed", "tok/s", "ETA"], true) +
-    shards.map(s => row([`shard ${s.shard}/${s.num_shards}`, s.state, bar(s.done, s.total), `${fmt(s.done)}/${fmt(s.total)}`, fmt(s.failed), fmt(Math.round(s.tokens_per_s || 0)), dur(s.eta_s)])).join("");
-  const servers = Object.entries(p.servers || {});
-  document.getElementById("servers").innerHTML = row(["server", "healthy", "done", "failed", "in flight", "running", "queued", "accept length"], true) +
-    servers.map(([url, s]) => { const m = s.metrics || {}; return row([url, s.healthy ? "yes" : "no", fmt(s.done), fmt(s.failed), fmt(s.in_flight), fmt(m.running), fmt(m.queued), m.spec_accept_length == null ? "" : m.spec_accept_length]); }).join("");
+  table("shards", ["shard", "state", "progress", "done", "failed", "tok/s", "ETA"],
+    shards.map(s => [`shard ${s.shard}/${s.num_shards}`, s.state, bar(s.done, s.total), `${fmt(s.done)}/${fmt(s.total)}`, fmt(s.failed), fmt(Math.round(s.tokens_per_s || 0)), dur(s.eta_s)]));
+  table("servers", ["server", "healthy", "done", "failed", "in flight", "running", "queued", "accept length"],
+    Object.entries(p.servers || {}).map(([url, s]) => { const m = s.metrics || {}; return [url, s.healthy ? "yes" : "no", fmt(s.done), fmt(s.failed), fmt(s.in_flight), fmt(m.running), fmt(m.queued), m.spec_accept_length == null ? "" : m.spec_accept_length]; }));
   const a = d.audit;
   if (a) {
-    document.getElementById("audit").innerHTML = `<span id="verdict" class="verdict ${a.verdict}">${a.verdict}</span> degenerate fraction ${a.degenerate_fraction}` +
-      "<ul>" + a.summary.map(l => `<li>${l.replace(/</g, "&lt;")}</li>`).join("") + "</ul>" +
-      row(["finding", "samples"], true).replace(/^/, "<table>") + Object.entries(a.counts).map(([k, v]) => row([k, fmt(v)])).join("") + "</table>" +
-      `<p><a href="${location.pathname.replace(/\\/$/, "")}/report">full report with histograms</a></p>` +
-      `<iframe src="${location.pathname.replace(/\\/$/, "")}/report" width="100%" height="700" style="border:0"></iframe>`;
+    const base = location.pathname.replace(/\/$/, "");
+    const counts = el("table", {}, el("tr", {}, el("th", {}, "finding"), el("th", {}, "samples")),
+      ...Object.entries(a.counts).map(([k, v]) => el("tr", {}, el("td", {}, k), el("td", {}, fmt(v)))));
+    document.getElementById("audit").replaceChildren(
+      el("span", {id: "verdict", class: "verdict " + (a.verdict === "PASS" ? "PASS" : "FAIL")}, a.verdict),
+      ` degenerate fraction ${a.degenerate_fraction}`, el("ul", {}, ...a.summary.map(l => el("li", {}, l))), counts,
+      el("p", {}, el("a", {href: base + "/report"}, "full report: histograms and samples")),
+      el("iframe", {src: base + "/report", width: "100%", height: "900", style: "border:0"}));
   }
   if (!a) setTimeout(refresh, 5000);
 }
