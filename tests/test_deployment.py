@@ -108,7 +108,7 @@ def test_the_scheduler_runs_a_configured_dataset_and_the_next_run_sends_nothing(
         dags = {d["dag_id"]: d for d in api.get("/dags").json()["dags"]}
         assert set(dags) == {"regenerate_minutely", "regenerate_weekly"}
         assert dags["regenerate_minutely"]["timetable_summary"] == "* * * * *"
-        assert dags["regenerate_weekly"]["timetable_summary"] == "@weekly"
+        assert dags["regenerate_weekly"]["timetable_summary"] == "0 0 * * 0"  # Airflow spells @weekly out
         errors = api.get("/importErrors").json()["import_errors"]
         assert len(errors) == 1 and errors[0]["filename"].endswith("regen_config_errors.py")
         assert "broken.yaml" in errors[0]["stack_trace"] and "'max_tokens'" in errors[0]["stack_trace"]
