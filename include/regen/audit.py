@@ -43,6 +43,7 @@ FINDINGS = (
     "foreign_settings",    # made with another model or other settings than the dataset's
     "cut",                 # longer than the training's max length: training sees it cut
     "degenerate_after_cut",  # enough loss tokens whole, too few once cut
+    "retokenized_differs",  # the answer's text, re-encoded as training renders it, is not the generated tokens
 )
 # Findings that fail the audit whatever their number: rows this run did not produce.
 PROVENANCE = ("stale_prompt", "foreign_settings")
@@ -134,6 +135,7 @@ def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds,
                                                row.get("content"), template))
     texts = render(tokenizer, conversations, True if template.enable_thinking else None)
     counts = loss_token_counts(tokenizer, texts, fmt, thresholds.train_max_length, template.ignore)
+    differs = retokenized_differs(tokenizer, texts, [rows[i] for i in to_render], fmt)
     for j, i in enumerate(to_render):
         row, result, count = rows[i], results[i], counts[j]
         findings = result["findings"]
@@ -157,9 +159,30 @@ def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds,
             findings.append("cut")
             if count.loss < thresholds.min_loss_tokens <= count.uncut:
                 findings.append("degenerate_after_cut")
+        if differs[j]:
+            findings.append("retokenized_differs")
         if count.loss < thresholds.min_loss_tokens or "missing_reasoning" in findings:
             findings.append("degenerate")
     return results
+
+
+def retokenized_differs(tokenizer, texts: list[str], rows: list[dict], fmt) -> list[bool]:
+    """Per rendered conversation whose row holds the generated tokens: whether its last
+    assistant turn, as training renders and re-encodes it, is other tokens than the engine
+    generated (a drafter would learn what the target never produced)."""
+    from regen.chat import assistant_spans
+
+    out = [False] * len(texts)
+    todo = [(i, texts[i][slice(*assistant_spans(texts[i], fmt)[-1])]) for i, row in enumerate(rows)
+            if row.get("completion_token_ids") is not None and assistant_spans(texts[i], fmt)]
+    eos_tail = fmt.end_of_turn[len(fmt.end_of_turn.rstrip("\n")):]
+    encodings = tokenizer._tokenizer.encode_batch([span.removesuffix(eos_tail) for _, span in todo],
+                                                  add_special_tokens=False)
+    for (i, _), encoding in zip(todo, encodings):
+        generated = list(rows[i]["completion_token_ids"])
+        ids = encoding.ids if rows[i].get("finish_reason") == "stop" else encoding.ids[:len(generated)]
+        out[i] = ids != generated
+    return out
 
 
 def _messages(row: dict) -> list[dict]:
@@ -192,7 +215,8 @@ def iter_batches(layout: RunLayout, batch_size: int = 512) -> Iterator[list[dict
             raise DataError(f"{path}: the data has no column(s) {sorted(missing)}")
         wanted = [c for c in ("id", "messages", "reasoning_content", "content", "finish_reason",
                               "completion_tokens", "error", "enable_thinking", "prompt_hash",
-                              "settings_hash", "turns") if c in names]
+                              "settings_hash", "turns", "prompt_token_ids", "completion_token_ids")
+                  if c in names]
         for batch in parquet.iter_batches(batch_size=batch_size, columns=wanted):
             yield batch.to_pylist()
 

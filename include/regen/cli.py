@@ -198,9 +198,13 @@ def cmd_audit(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from regen.export import export_sharegpt
+    from regen.export import export_sharegpt, export_tokens
 
-    result = export_sharegpt(args.data, args.out, expect_reasoning=args.expect_reasoning)
+    if args.format == "tokens":
+        cfg = load_config(args)
+        result = export_tokens(args.data, args.out, args.tokenizer or cfg.model_path, cfg.train_template)
+    else:
+        result = export_sharegpt(args.data, args.out, expect_reasoning=args.expect_reasoning)
     print(result.summary())
     return 0
 
@@ -319,8 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_audit)
 
     p = sub.add_parser("export", help="write the dataset as SpecForge/DFlash training JSONL")
+    _add_config_flags(p)
     p.add_argument("--data", required=True, help="an output directory or its data/")
-    p.add_argument("--format", choices=["sharegpt"], default="sharegpt")
+    p.add_argument("--format", choices=["sharegpt", "tokens"], default="sharegpt",
+                   help="sharegpt: conversations (text); tokens: input_ids and loss_mask from the "
+                        "tokens the engine returned")
+    p.add_argument("--tokenizer", help="tokens: tokenizer directory (default: the model path)")
     p.add_argument("--out", required=True, type=Path, help="JSONL file to write")
     p.add_argument("--expect-reasoning", action=argparse.BooleanOptionalAction, default=True,
                    help="leave out rows without reasoning (default), as training with thinking needs")

@@ -85,6 +85,7 @@ class Generator:
             body["top_k"] = s["top_k"]
         if s["seed"] is not None:
             body["seed"] = s["seed"]
+        body.update(endpoint.engine.token_request)
         return body
 
     async def run_one(self, request: Request) -> dict:
@@ -139,6 +140,7 @@ class Generator:
         choice = body["choices"][0]
         message = choice["message"]
         usage = body.get("usage") or {}
+        prompt_ids, completion_ids = endpoint.engine.token_ids(body, choice)
         return {
             "id": request.id,
             "messages": request.messages,
@@ -153,6 +155,8 @@ class Generator:
             "server": endpoint.url,
             "attempts": attempt,
             "latency_s": round(time.monotonic() - started, 3),
+            "prompt_token_ids": prompt_ids,
+            "completion_token_ids": completion_ids,
             **request.stamp,
         }
 

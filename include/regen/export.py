@@ -81,6 +81,66 @@ def sharegpt_record(row: dict) -> dict:
 
 def export_sharegpt(data_dir: str | Path, out: str | Path, expect_reasoning: bool = True) -> ExportResult:
     """Stream the shards into ``out``, written beside it and renamed into place when complete."""
+    def record(row: dict) -> tuple[dict | None, str | None]:
+        reason = why_left_out(row, expect_reasoning)
+        return (None, reason) if reason else (sharegpt_record(row), None)
+
+    return _export(data_dir, out, record)
+
+
+class TokenMasker:
+    """Loss masks in token space, from the tokens the engine saw and produced: the generated
+    tokens of the last turn, and the earlier assistant turns found in the prompt's tokens by the
+    training template's header and end-of-turn tokens, each span through its end-of-turn (and
+    the newline training adds after it)."""
+
+    def __init__(self, tokenizer, template_name: str):
+        from regen.chat import TRAIN_TEMPLATES
+
+        fmt = TRAIN_TEMPLATES[template_name].fmt
+        encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        self.header, self.end_of_turn = encode(fmt.assistant_header), encode(fmt.end_of_turn)
+        eos = encode(fmt.end_of_turn.rstrip("\n"))
+        self.after_eos = self.end_of_turn[len(eos):]  # what training renders after the eos token
+
+    def __call__(self, prompt_ids: list[int], completion_ids: list[int], finished: bool) -> tuple[list[int], list[int]]:
+        mask = [0] * len(prompt_ids)
+        i, header, eot = 0, self.header, self.end_of_turn
+        while i <= len(prompt_ids) - len(header):
+            if prompt_ids[i:i + len(header)] != header:
+                i += 1
+                continue
+            start = j = i + len(header)
+            while j < len(prompt_ids) and prompt_ids[j:j + len(eot)] != eot:
+                j += 1
+            end = min(j + len(eot), len(prompt_ids))
+            mask[start:end] = [1] * (end - start)
+            i = max(end, i + 1)
+        tail = self.after_eos if finished else []
+        return prompt_ids + completion_ids + tail, mask + [1] * (len(completion_ids) + len(tail))
+
+
+def export_tokens(data_dir: str | Path, out: str | Path, tokenizer_dir: str | Path,
+                  template_name: str = "qwen3-thinking") -> ExportResult:
+    """``{"id", "input_ids", "loss_mask"}`` per conversation, from the tokens the engine returned:
+    what offline drafter training (EAGLE-3, DFlash) reads, with no re-tokenized text in it."""
+    from regen.chat import load_tokenizer
+
+    masker = TokenMasker(load_tokenizer(str(tokenizer_dir)), template_name)
+
+    def record(row: dict) -> tuple[dict | None, str | None]:
+        if row.get("error") is not None:
+            return None, "failed"
+        prompt_ids, completion_ids = row.get("prompt_token_ids"), row.get("completion_token_ids")
+        if prompt_ids is None or completion_ids is None:
+            return None, "no token ids (the engine did not return them)"
+        ids, mask = masker(list(prompt_ids), list(completion_ids), row.get("finish_reason") == "stop")
+        return {"id": str(row["id"]), "input_ids": ids, "loss_mask": mask}, None
+
+    return _export(data_dir, out, record)
+
+
+def _export(data_dir: str | Path, out: str | Path, record) -> ExportResult:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = ExportResult(out)
@@ -89,11 +149,11 @@ def export_sharegpt(data_dir: str | Path, out: str | Path, expect_reasoning: boo
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             for rows in iter_batches(RunLayout.from_data_arg(data_dir)):
                 for row in rows:
-                    reason = why_left_out(row, expect_reasoning)
+                    doc, reason = record(row)
                     if reason:
                         result.left_out[reason] += 1
                         continue
-                    fh.write(json.dumps(sharegpt_record(row), ensure_ascii=False) + "\n")
+                    fh.write(json.dumps(doc, ensure_ascii=False) + "\n")
                     result.written += 1
         os.replace(tmp, out)
     except BaseException:

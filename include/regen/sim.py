@@ -169,6 +169,49 @@ class BatchScheduler:
                 await asyncio.wait_for(self.wake.wait(), timeout=max(next_done, 0.0005))
 
 
+class SimTokens:
+    """Token ids as an engine returns them, with the model directory's own tokenizer and chat
+    template (the `tokenizers` library and Jinja, loaded on the first request that asks): the
+    prompt as the generation prompt renders it, the output as the model would have written it
+    (think block, answer, end-of-turn token)."""
+
+    def __init__(self, model_path: str):
+        self.model_path = Path(model_path)
+        self._loaded: tuple | None = None
+
+    def _load(self) -> tuple:
+        if self._loaded is None:
+            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            from tokenizers import Tokenizer
+
+            config = json.loads((self.model_path / "tokenizer_config.json").read_text())
+            template = config.get("chat_template")
+            if template is None and (self.model_path / "chat_template.jinja").exists():
+                template = (self.model_path / "chat_template.jinja").read_text()
+
+            def raise_exception(message):
+                raise jinja2.TemplateError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            env.filters["tojson"] = lambda value, **kw: json.dumps(value, ensure_ascii=False, **kw)
+            eos = config.get("eos_token")
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            self._loaded = (Tokenizer.from_file(str(self.model_path / "tokenizer.json")),
+                            env.from_string(template), eos or "<|im_end|>")
+        return self._loaded
+
+    def ids(self, messages: list[dict], kwargs: dict, message: dict, finished: bool) -> tuple[list[int], list[int]]:
+        tokenizer, template, eos = self._load()
+        prompt = template.render(messages=messages, add_generation_prompt=True, **kwargs)
+        reasoning, content = message["reasoning_content"], message["content"] or ""
+        output = (f"<think>\n{reasoning}\n</think>\n\n" if reasoning is not None else "") + content
+        output += eos if finished else ""
+        encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
+        return encode(prompt), encode(output)
+
+
 def build_app(settings: SimSettings):
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -176,6 +219,7 @@ def build_app(settings: SimSettings):
     from starlette.routing import Route
 
     state = SimState()
+    tokens = SimTokens(settings.model_path)
     effective = settings.effective_max_running_requests or settings.max_running_requests or 64
     scheduler = BatchScheduler(settings, effective, state)
     failures = random.Random(settings.seed ^ 0x5EED)
@@ -309,13 +353,19 @@ def build_app(settings: SimSettings):
             "reasoning_content": " ".join(think_tokens) if reasoning else None,
             "tool_calls": None,
         }
+        choice = {"index": 0, "message": message, "finish_reason": "stop" if finished else "length"}
+        if body.get("return_prompt_token_ids") or body.get("return_token_ids"):
+            prompt_ids, output_ids = tokens.ids(messages, kwargs, message, finished)
+            if body.get("return_prompt_token_ids"):
+                choice["prompt_token_ids"] = prompt_ids
+            if body.get("return_token_ids"):
+                choice["response_token_ids"] = output_ids
         return JSONResponse({
             "id": secrets.token_hex(8),
             "object": "chat.completion",
             "created": int(time.time()),
             "model": settings.served_model_name,
-            "choices": [{"index": 0, "message": message,
-                         "finish_reason": "stop" if finished else "length"}],
+            "choices": [choice],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                       "total_tokens": prompt_tokens + completion},
         })

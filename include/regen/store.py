@@ -41,6 +41,9 @@ ROW_SCHEMA = pa.schema([
     ("latency_s", pa.float64()),
     ("prompt_hash", pa.string()),
     ("settings_hash", pa.string()),
+    # The last turn's tokens as the engine saw and produced them (where it returns them).
+    ("prompt_token_ids", pa.list_(pa.int32())),
+    ("completion_token_ids", pa.list_(pa.int32())),
     # Every regenerated turn's outcome, in order (one for a single-turn prompt).
     ("turns", pa.list_(pa.struct([("finish_reason", pa.string()), ("prompt_tokens", pa.int64()),
                                   ("completion_tokens", pa.int64())]))),
