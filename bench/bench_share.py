@@ -41,7 +41,7 @@ def shard_cmd(prompts: Path, out: Path, urls: list[str], shard: int) -> list[str
 
 def peak(urls: list[str]) -> int:
     """The most requests any server has had in flight since it started."""
-    return max(httpx.get(f"{u}/server_info").json()["internal_states"][0]["peak_requests_in_flight"]
+    return max(httpx.get(f"{u}/server_info").json()["internal_states"][0]["sim_peak_requests_in_flight"]
                for u in urls)
 
 

@@ -53,7 +53,7 @@ def sim_requests_total(url: str) -> int:
 
 def sim_running(url: str) -> int:
     """Requests the simulator has received and not answered yet (queued, prefilling, decoding)."""
-    return httpx.get(f"{url}/server_info").json()["internal_states"][0]["requests_in_flight"]
+    return httpx.get(f"{url}/server_info").json()["internal_states"][0]["sim_requests_in_flight"]
 
 
 def test_shards_write_every_id_once_with_the_design_columns(sim_servers, tmp_path):
@@ -119,7 +119,7 @@ def test_concurrency_comes_from_the_server_and_never_passes_what_it_can_run(sim_
     assert limits == [4, 4]  # the effective value plus the margin, not the CLI's 8
     for r in records:
         info = httpx.get(f"{r.url}/server_info").json()["internal_states"][0]
-        assert info["peak_requests_in_flight"] <= 3 + 1  # never more than it runs, plus the margin
+        assert info["sim_peak_requests_in_flight"] <= 3 + 1  # never more than it runs, plus the margin
 
 
 def test_a_prompt_too_long_for_the_context_becomes_an_error_row_without_retries(sim_servers, tmp_path):

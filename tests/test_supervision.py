@@ -26,7 +26,7 @@ SGLANG_MAMBA = ["--max-running-requests", "64", "--sim-effective-max-running-req
 
 
 def peak_in_flight(url: str) -> int:
-    return httpx.get(f"{url}/server_info").json()["internal_states"][0]["peak_requests_in_flight"]
+    return httpx.get(f"{url}/server_info").json()["internal_states"][0]["sim_peak_requests_in_flight"]
 
 
 def test_the_limit_is_sglangs_effective_one_and_shared_by_every_shard(sim_servers, tmp_path):

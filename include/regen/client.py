@@ -78,14 +78,13 @@ class Generator:
             "temperature": s["temperature"],
             "top_p": s["top_p"],
             "chat_template_kwargs": {"enable_thinking": s["enable_thinking"]},
-            "separate_reasoning": True,
             "stream": False,
         }
         if s["top_k"] is not None:
             body["top_k"] = s["top_k"]
         if s["seed"] is not None:
             body["seed"] = s["seed"]
-        body.update(endpoint.engine.token_request)
+        body.update(endpoint.engine.request_fields)
         return body
 
     async def run_one(self, request: Request) -> dict:

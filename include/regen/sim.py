@@ -265,9 +265,9 @@ def build_app(settings: SimSettings):
                 **args,
                 "effective_max_running_requests_per_dp": effective,
                 "last_gen_throughput": state.throughput(),
-                "waited_requests_total": state.waited_total,
-                "peak_requests_in_flight": state.peak,
-                "requests_in_flight": state.in_flight,
+                "sim_waited_requests_total": state.waited_total,
+                "sim_peak_requests_in_flight": state.peak,
+                "sim_requests_in_flight": state.in_flight,
             }],
         })
 

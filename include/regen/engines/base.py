@@ -25,8 +25,9 @@ class Engine:
     # Prometheus metric name (without the engine's prefix) -> regen's name for it.
     metric_names: ClassVar[dict[str, str]] = {}
     metric_prefix: ClassVar[str] = ""
-    # Request fields that ask for the tokens as the engine saw and produced them.
-    token_request: ClassVar[dict[str, Any]] = {}
+    # Engine-specific request fields: the reasoning apart from the answer, and the tokens as the
+    # engine saw and produced them.
+    request_fields: ClassVar[dict[str, Any]] = {}
 
     def token_ids(self, body: dict, choice: dict) -> tuple[list[int] | None, list[int] | None]:
         """(prompt token ids, completion token ids) of a response, where the engine returns them."""

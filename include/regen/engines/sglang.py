@@ -15,7 +15,7 @@ class SGLang(Engine):
     metric_prefix = "sglang"
     metric_names = {"num_running_reqs": "running", "num_queue_reqs": "queued",
                     "gen_throughput": "gen_throughput", "spec_accept_length": "spec_accept_length"}
-    token_request = {"return_prompt_token_ids": True, "return_token_ids": True}
+    request_fields = {"separate_reasoning": True, "return_prompt_token_ids": True, "return_token_ids": True}
 
     def token_ids(self, body: dict, choice: dict) -> tuple[list[int] | None, list[int] | None]:
         return choice.get("prompt_token_ids"), choice.get("response_token_ids")

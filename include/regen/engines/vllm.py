@@ -21,7 +21,7 @@ class VLLM(Engine):
     ignored_options = ("speculative_eagle_topk", "speculative_num_draft_tokens", "max_mamba_cache_size")
     # vLLM's reasoning parser fills `reasoning`; older releases `reasoning_content`.
     reasoning_fields = ("reasoning", "reasoning_content")
-    token_request = {"return_token_ids": True}
+    request_fields = {"return_token_ids": True}
 
     def token_ids(self, body: dict, choice: dict) -> tuple[list[int] | None, list[int] | None]:
         return body.get("prompt_token_ids"), choice.get("token_ids")
