@@ -40,3 +40,19 @@ def test_servers_without_thinking_fail_naming_the_reason(sim_servers):
 def test_thinking_off_on_purpose_is_judged_by_the_loss_mask_only(sim_servers):
     cfg, records = sim_servers(num_servers=1, enable_thinking=False, min_loss_tokens=4)
     assert canary(cfg)["estimate"]["prompts"] == 280
+
+
+def test_the_estimate_accounts_for_batching_and_holds_on_the_run(sim_servers, tmp_path):
+    """Servers that batch (each request slower as the batch fills): the canary's estimate of
+    the whole run is within 25% of the run's own time. The former estimate (one request's
+    speed x slots) was the time of a server that does not slow down."""
+    from regen.generate import ShardRun
+
+    cfg, records = sim_servers(num_servers=2, sim_tokens_per_second=300, concurrency_per_server=None,
+                               extra_server_args=["--sim-batch-slowdown", "0.08", "--max-running-requests", "8"])
+    estimate = canary(cfg)["estimate"]
+    assert estimate["batch_slowdown"] > 0.02, estimate
+    fresh = cfg.model_copy(update={"output": str(tmp_path / "run"), "num_shards": 1})
+    result = ShardRun(fresh, [(r.url, r.api_key) for r in records], 0, "m").run()
+    assert result.failed == 0
+    assert abs(estimate["eta_s"] - result.seconds) / result.seconds < 0.25, (estimate, result.seconds)

@@ -56,19 +56,42 @@ def first_prompts(path: str | Path, count: int) -> tuple[list[Prompt], int]:
     return chosen, total
 
 
-def estimate_run(rows: list[dict], total_prompts: int, slots: int) -> dict:
-    """Tokens per sample seen x prompts, over the decode rate of every slot of every server."""
-    good = [r for r in rows if r["error"] is None and r.get("completion_tokens")]
-    if not good:
+def _rates(rows: list[dict]) -> list[tuple[float, float]]:
+    """(tokens, tokens a second) of each good conversation, all its turns together."""
+    out = []
+    for r in rows:
+        if r["error"] is None and r.get("completion_tokens"):
+            tokens = sum(t["completion_tokens"] or 0 for t in r.get("turns") or []) or r["completion_tokens"]
+            out.append((tokens, tokens / max(r["latency_s"], 1e-3)))
+    return out
+
+
+def estimate_run(alone: list[dict], together: list[dict], total_prompts: int, servers: int, slots: int,
+                 queue_margin: int = 0) -> dict:
+    """The run's time from two measurements: a request alone on its server (its decode speed
+    r1) and several at once (rb with b running per server). A batching server slows each
+    request as the batch fills, r(b) = r1 / (1 + k (b - 1)); k from the two, the run's rate is
+    every decoding slot (the budget less the queue margin) at r(slots per server). One
+    measurement only: r1 x slots, an upper bound."""
+    first, second = _rates(alone), _rates(together)
+    if not first and not second:
         return {}
-    tokens = sum(r["completion_tokens"] for r in good) / len(good)
-    per_request = sum(r["completion_tokens"] / max(r["latency_s"], 1e-3) for r in good) / len(good)
-    rate = per_request * slots
+    measured = first + second
+    tokens = sum(t for t, _ in measured) / len(measured)
+    r1 = sum(r for _, r in first) / len(first) if first else max(r for _, r in second)
+    slowdown = 0.0
+    batch = -(-len(together) // max(servers, 1))
+    if first and second and batch > 1:
+        rb = sum(r for _, r in second) / len(second)
+        slowdown = max(0.0, (r1 / rb - 1) / (batch - 1))
+    decoding = max(slots - servers * queue_margin, servers, 1)
+    per_server = decoding / max(servers, 1)
+    rate = decoding * r1 / (1 + slowdown * (per_server - 1))
     seconds = total_prompts * tokens / rate if rate > 0 else None
-    return {"prompts": total_prompts, "tokens_per_sample": round(tokens, 1),
-            "tokens_per_s": round(rate, 1), "eta_s": round(seconds) if seconds else None,
-            "text": f"{total_prompts:,} prompts, about {format_duration(seconds)} at "
-                    f"{rate:,.0f} tok/s"}
+    return {"prompts": total_prompts, "tokens_per_sample": round(tokens, 1), "tokens_per_s": round(rate, 1),
+            "alone_tokens_per_s": round(r1, 1), "batch_slowdown": round(slowdown, 4),
+            "eta_s": round(seconds) if seconds else None,
+            "text": f"{total_prompts:,} prompts, about {format_duration(seconds)} at {rate:,.0f} tok/s"}
 
 
 def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> CanaryResult:
@@ -76,7 +99,19 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
     if not prompts:
         raise CanaryFailed(f"prompts {cfg.prompts}: no readable prompt for the canary")
     quick = cfg.model_copy(update={"max_attempts": min(cfg.max_attempts, 3)})
-    rows, slots = generate_rows(quick, prompts, endpoints)
+    # One prompt per server alone, then a full batch at once (the rest of the canary's prompts,
+    # repeated to fill every decoding slot: on a batching server that costs about one request's
+    # time): the batching curve's two ends. Every prompt's first answer is checked.
+    servers = len(endpoints)
+    alone, slots = generate_rows(quick, prompts[:servers], endpoints)
+    rest = prompts[servers:] or prompts
+    decoding = max(slots - servers * cfg.queue_margin, len(rest))
+    together, _ = generate_rows(quick, [rest[i % len(rest)] for i in range(decoding)], endpoints)
+    rows, seen = list(alone), {r["id"] for r in alone}
+    for row in together:
+        if row["id"] not in seen:
+            rows.append(row)
+            seen.add(row["id"])
     summary, results = audit_rows(rows, cfg.model_path, AuditThresholds.from_config(cfg),
                                   cfg.enable_thinking)
     result = CanaryResult(rows)
@@ -100,7 +135,7 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
     check("degenerate", f"samples are degenerate (loss mask under min_loss_tokens "
           f"{cfg.min_loss_tokens}, or no reasoning while thinking is on)")
     check("truncated", f"answers hit max_tokens {cfg.max_tokens}", limit=0.5)
-    result.estimate = estimate_run(rows, total, slots)
+    result.estimate = estimate_run(alone, together, total, len(endpoints), slots, cfg.queue_margin)
     RunProgress(cfg.output).write_section("canary", {
         "passed": not result.problems, "problems": result.problems, "samples": n,
         "estimate": result.estimate,
