@@ -97,6 +97,7 @@ def main() -> None:
                              capture_output=True, text=True, env=env)
         cli_fail = time.perf_counter() - started
         assert cli.returncode == 1 and "used prior to global declaration" in cli.stdout, cli.stdout
+        cli_servers = len(list((tmp / "out" / "work" / "servers").glob("server-*.log"))) - regen_servers
 
         # By hand, in the seed's order: servers up first, then the generator script.
         started = time.perf_counter()
@@ -108,6 +109,10 @@ def main() -> None:
                                capture_output=True, text=True)
         hand_fail = time.perf_counter() - started
         assert "used prior to global declaration" in crash.stderr
+        from regen.layout import RunLayout
+        from regen.servers import read_state
+
+        idle = sum(r.running() for r in read_state(RunLayout(tmp / "hand")))  # up, and nothing to serve
         subprocess.run([str(BIN / "regen"), "serve", "--stop", "--config", "/dev/null", "--output",
                         str(tmp / "hand")], check=True, capture_output=True)
     body = (
@@ -118,8 +123,8 @@ def main() -> None:
         "| the seed's bug in the generator module | seconds to the failure | servers started |\n"
         "| --- | --- | --- |\n"
         f"| regen: trigger the DAG (`airflow dags test`), fails at preflight with file:line | {regen_fail:.1f} | {regen_servers} |\n"
-        f"| regen: `regen preflight --config FILE` on the same code | {cli_fail:.1f} | 0 |\n"
-        f"| by hand: start the servers, then run the generator | {hand_fail:.1f} (servers up after {up:.1f}) | 2, left idle |\n\n"
+        f"| regen: `regen preflight --config FILE` on the same code | {cli_fail:.1f} | {cli_servers} |\n"
+        f"| by hand: start the servers, then run the generator | {hand_fail:.1f} (servers up after {up:.1f}) | {idle}, left running idle |\n\n"
         "Most of the DAG's time is Airflow's own (`dags test` parses, creates the run, starts the "
         "task). By hand the crash comes as fast, but only after the servers hold the GPUs: the "
         "simulated servers start in under a second; the seed's SGLang servers took about 60 s to "
