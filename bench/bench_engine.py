@@ -183,7 +183,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=39300)
     parser.add_argument("--vllm-python", default=os.environ.get("REGEN_VLLM_PYTHON"))
     parser.add_argument("--model", default=os.environ.get("REGEN_TRAINED_MODEL"))
-    parser.add_argument("--sim-args", default="--sim-tokens-per-second 400",
+    parser.add_argument("--sim-args", default="--sim-tokens-per-second 300 --sim-batch-slowdown 0.02 --max-running-requests 32",
                         help="the simulator's knobs (engine sim)")
     parser.add_argument("--client", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
