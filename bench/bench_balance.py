@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_client import make_prompts, start_sims  # noqa: E402
+from bench_client import TOKENS, make_prompts, start_sims  # noqa: E402
 from results import write_section  # noqa: E402
 
 from regen.config import RunConfig  # noqa: E402
@@ -46,7 +46,7 @@ def shared_queue(prompts, urls: list[str]) -> tuple[float, int]:
                 prompt = queue.get_nowait()
                 response = await client.chat.completions.create(
                     model="m", messages=prompt.messages, max_tokens=1024,
-                    extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+                    extra_body={"chat_template_kwargs": {"enable_thinking": True}, **TOKENS})
                 tokens += response.usage.completion_tokens
 
         clients = [AsyncOpenAI(base_url=f"{u}/v1", api_key="none", max_retries=0, timeout=600) for u in urls]
@@ -78,7 +78,7 @@ def main() -> None:
         try:
             started = time.perf_counter()
             cfg = RunConfig(prompts=str(prompts_path), output=str(tmp / "out"), num_shards=1,
-                            max_tokens=1024, queue_margin=0)
+                            max_tokens=1024, queue_margin=0, regenerate_turns="last")  # one request a prompt, as the peer
             result = ShardRun(cfg, [(u, None) for u in urls], 0, None).run()
             regen_s = time.perf_counter() - started
             peer_s, tokens = shared_queue(prompts, urls)

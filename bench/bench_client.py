@@ -30,6 +30,9 @@ from regen.servers import ServerRecord, wait_healthy  # noqa: E402
 
 CONCURRENCY_PER_SERVER = 32
 MAX_TOKENS = 1024
+# What regen asks an SGLang server for besides the answer (the tokens): asked by the peer too,
+# so that the servers do the same work for both.
+TOKENS = {"separate_reasoning": True, "return_prompt_token_ids": True, "return_token_ids": True}
 
 
 def make_prompts(path: Path, count: int) -> list[Prompt]:
@@ -70,7 +73,8 @@ def run_baseline(prompts: list[Prompt], out: Path, urls: list[str]) -> None:
                     response = await clients[i % len(clients)].chat.completions.create(
                         model="tiny", messages=prompt.messages, max_tokens=MAX_TOKENS,
                         temperature=0.6, top_p=0.95,
-                        extra_body={"top_k": 20, "chat_template_kwargs": {"enable_thinking": True}})
+                        extra_body={"top_k": 20, "chat_template_kwargs": {"enable_thinking": True},
+                                    **TOKENS})
                     message = response.choices[0].message
                     fh.write(json.dumps({"id": prompt.id, "content": message.content,
                                          "reasoning_content": getattr(message, "reasoning_content", None),

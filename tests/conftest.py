@@ -6,6 +6,7 @@ module imports Airflow.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
@@ -273,23 +274,17 @@ not_regen()
 """
 
 
-@pytest.fixture(scope="session")
-def airflow(tmp_path_factory):
-    """`airflow standalone` on loopback (SQLite, LocalExecutor), shared by the UI and clear tests;
-    about 40 s to start. Yields its base URL, an admin token and its home."""
+@contextlib.contextmanager
+def airflow_standalone(home: Path, **env: str):
+    """`airflow standalone` on loopback (SQLite, LocalExecutor) in ``home``, its environment
+    extended by ``env``; about 40 s to start. Yields its base URL, an admin token and its home;
+    every process it started is stopped afterwards."""
     import json
 
     import httpx
 
-    home = tmp_path_factory.mktemp("standalone")
     port = free_port_base(1)
-    dags = home / "dags"  # regen's DAG files, and one DAG that is not regen's
-    dags.mkdir()
-    for dag_file in (ROOT / "dags").glob("*.py"):
-        (dags / dag_file.name).symlink_to(dag_file)
-    (dags / "not_regen.py").write_text(OTHER_DAG)
-    cluster = AirflowProcesses(home, airflow_env(home, port, REGEN_SHARD_RETRIES="0",
-                                                 AIRFLOW__CORE__DAGS_FOLDER=str(dags)))
+    cluster = AirflowProcesses(home, airflow_env(home, port, **env))
     cluster.start("standalone", "standalone")
     base = f"http://127.0.0.1:{port}"
     try:
@@ -302,3 +297,17 @@ def airflow(tmp_path_factory):
         yield {"base": base, "token": token, "home": home}
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def airflow(tmp_path_factory):
+    """The standalone shared by the UI, clear and approval tests: regen's DAG files and one DAG
+    that is not regen's."""
+    home = tmp_path_factory.mktemp("standalone")
+    dags = home / "dags"
+    dags.mkdir()
+    for dag_file in (ROOT / "dags").glob("*.py"):
+        (dags / dag_file.name).symlink_to(dag_file)
+    (dags / "not_regen.py").write_text(OTHER_DAG)
+    with airflow_standalone(home, REGEN_SHARD_RETRIES="0", AIRFLOW__CORE__DAGS_FOLDER=str(dags)) as deployment:
+        yield deployment

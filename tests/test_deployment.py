@@ -10,7 +10,7 @@ import httpx
 import pytest
 import yaml
 
-from conftest import ROOT, AirflowProcesses, airflow_env, free_port_base, read_ids, wait_until
+from conftest import ROOT, airflow_standalone, read_ids, wait_until
 from regen.layout import RunLayout
 from regen.servers import read_state
 
@@ -92,17 +92,9 @@ def test_the_scheduler_runs_a_configured_dataset_and_the_next_run_sends_nothing(
 
     home = tmp_path / "airflow"
     home.mkdir()
-    port = free_port_base(1)
-    cluster = AirflowProcesses(home, airflow_env(home, port, REGEN_CONFIG_DIR=str(folder)))
-    cluster.start("standalone", "standalone")
-    base = f"http://127.0.0.1:{port}"
-    try:
-        cluster.wait_api(base)
-        passwords = home / "simple_auth_manager_passwords.json.generated"
-        wait_until(passwords.exists, 60, "admin password")
-        token = httpx.post(f"{base}/auth/token", timeout=30, json={
-            "username": "admin", "password": json.loads(passwords.read_text())["admin"]}).json()["access_token"]
-        api = httpx.Client(base_url=f"{base}/api/v2", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    with airflow_standalone(home, REGEN_CONFIG_DIR=str(folder)) as deployment:
+        api = httpx.Client(base_url=f"{deployment['base']}/api/v2", timeout=30,
+                           headers={"Authorization": f"Bearer {deployment['token']}"})
 
         wait_until(lambda: api.get("/dags/regenerate_weekly").status_code == 200, 180, "DAGs parsed")
         dags = {d["dag_id"]: d for d in api.get("/dags").json()["dags"]}
@@ -140,5 +132,3 @@ def test_the_scheduler_runs_a_configured_dataset_and_the_next_run_sends_nothing(
         assert set(map(frozenset, later.values())) == {frozenset({"skipped"})}, later  # no server, no request
         assert read_state(RunLayout(minutely.output)) == []  # and none left from the first run
         assert not (tmp_path / "weekly").exists()
-    finally:
-        cluster.stop()

@@ -52,6 +52,19 @@ def test_the_seeds_global_after_use_bug_is_reported_with_file_and_line(project_w
                         f"to global declaration"]
 
 
+def test_regen_preflight_reports_the_seed_bug_instead_of_crashing_on_it(project_with_seed_bug, make_config,
+                                                                        tmp_path):
+    """The preflight stage itself must not import the code it is about to check."""
+    copy, generator, line = project_with_seed_bug
+    config = tmp_path / "run.yaml"
+    config.write_text(make_config().to_yaml())
+    out = subprocess.run([str(BIN / "regen"), "preflight", "--config", str(config)], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=str(copy / "include")), timeout=120)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert f"{generator}:{line}: SyntaxError: name 'MAX_OUTPUT_TOKENS'" in out.stdout
+    assert "Traceback" not in out.stderr
+
+
 def test_clean_code_passes_compile_and_import():
     assert check_code() == []
 

@@ -234,3 +234,16 @@ def test_a_person_approves_or_rejects_the_run_after_the_canary(airflow, make_con
     assert {v for k, v in states.items() if k[0] in ("generate", "audit")} == {"skipped"}
     assert not (Path(cfg.output) / "data").exists()
     wait_until(lambda: processes_with_args("--port", str(cfg.base_port)) == [], 30, "no server left")
+
+
+def test_a_lease_read_while_it_is_renewed_still_counts(tmp_path):
+    """A reader can catch a lease mid-write: it still has its holder's name (the rebalancer of a
+    shard once died on a nameless lease, and the shard waited for slots forever)."""
+    from regen.leases import Lease, live_leases
+
+    layout = RunLayout(tmp_path / "out")
+    with Lease(layout, "shard-00003", "run", demand=10) as lease:
+        lease.path.write_text("")  # the instant between two writes of another implementation
+        assert [(entry["name"], entry["demand"]) for entry in live_leases(layout)] == [("shard-00003", 0)]
+        lease.renew(674)
+        assert [(entry["name"], entry["demand"]) for entry in live_leases(layout)] == [("shard-00003", 674)]

@@ -129,11 +129,15 @@ class ServerPool:
         return sum(e.size for e in self.endpoints)
 
     async def _rebalancer(self) -> None:
-        """Hold the fair share of each server's budget as shards come and go."""
+        """Hold the fair share of each server's budget as shards come and go. It must outlive
+        any one failure: a shard whose rebalancing stopped would wait for slots forever."""
         while True:
             await asyncio.sleep(self.tuning.rebalance_interval_s)
             in_use = sum(e.in_flight for e in self.endpoints)
-            self.share.rebalance(max(self.demand, in_use))
+            try:
+                self.share.rebalance(max(self.demand, in_use))
+            except Exception as exc:  # logged, then tried again at the next interval
+                log.warning("rebalancing the server budgets failed: %s: %s", type(exc).__name__, exc)
             async with self.cond:
                 self.cond.notify_all()
 

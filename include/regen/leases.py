@@ -39,9 +39,11 @@ class Lease:
         return self
 
     def _write(self) -> None:
+        # Overwritten in place, never emptied first: a reader sees the old or the new document,
+        # or (rarely) a mix that does not parse and is skipped.
         self._fh.seek(0)
-        self._fh.truncate()
         self._fh.write(json.dumps(self.info))
+        self._fh.truncate()
         self._fh.flush()
         os.utime(self._fh.fileno())
 
@@ -77,8 +79,8 @@ def live_leases(layout: RunLayout, stale_after_s: float = STALE_AFTER_S) -> list
                     age = now - os.fstat(fh.fileno()).st_mtime
                 except (OSError, ValueError):
                     continue
-                if age <= stale_after_s:
-                    found.append({**info, "age_s": round(age, 1)})
+                if age <= stale_after_s and isinstance(info, dict):
+                    found.append({"demand": 0, **info, "name": path.stem, "age_s": round(age, 1)})
                 continue
             path.unlink(missing_ok=True)  # we got the lock: its holder is gone
     return found

@@ -306,12 +306,12 @@ def preflight(cfg: RunConfig, code: bool = True, run_id: str = "cli",
     """The preflight stage: every check, here, with this interpreter; PreflightFailed listing
     every problem, else the run manifest written (the prompt index) and the shards to map over.
     ``max_map_length``: the deployment's limit on mapped tasks (the DAG passes Airflow's)."""
-    from regen.generate import shards_to_run
     from regen.manifest import Manifest
 
     report = run_preflight(cfg, code=code, max_map_length=max_map_length)
     if not report.ok:
         raise PreflightFailed(report.problems)
+    from regen.generate import shards_to_run  # only now: the code it is in has just been checked
     Manifest(RunLayout(cfg.output)).write_prompts(cfg, report.info["_index"], run_id)
     report.info = {k: v for k, v in report.info.items() if not k.startswith("_")}
     shards = shards_to_run(cfg)
