@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,6 +95,11 @@ def estimate_run(alone: list[dict], together: list[dict], total_prompts: int, se
             "text": f"{total_prompts:,} prompts, about {format_duration(seconds)} at {rate:,.0f} tok/s"}
 
 
+def _tail(k: int, n: int, p: float) -> float:
+    """P(at least k of n), each with probability p."""
+    return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1))
+
+
 def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> CanaryResult:
     prompts, total = first_prompts(cfg.prompts, cfg.canary_size)
     if not prompts:
@@ -117,9 +123,11 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
     result = CanaryResult(rows)
     n = len(rows)
 
-    def check(finding: str, message: str, limit: float = MAX_BAD_FRACTION) -> None:
+    def check(finding: str, message: str, limit: float = MAX_BAD_FRACTION, plausible: float | None = None) -> None:
+        """A problem when more than ``limit`` of the samples have the finding, or (``plausible``)
+        when so many would be unlikely (under 1%) if the dataset's true fraction were that."""
         bad = [(row, res) for row, res in zip(rows, results) if finding in res["findings"]]
-        if len(bad) / n > limit:
+        if len(bad) / n > limit or (plausible is not None and bad and _tail(len(bad), n, plausible) < 0.01):
             row, res = bad[0]
             sample = {"id": row["id"], "loss_tokens": res["loss_tokens"],
                       "finish_reason": row["finish_reason"], "error": row["error"],
@@ -133,7 +141,8 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
               "on (is the server's reasoning parser set, or thinking disabled on the server?)")
     check("empty_answer", "answers are empty")
     check("degenerate", f"samples are degenerate (loss mask under min_loss_tokens "
-          f"{cfg.min_loss_tokens}, or no reasoning while thinking is on)")
+          f"{cfg.min_loss_tokens}, or no reasoning while thinking is on): the audit's limit of "
+          f"{cfg.max_degenerate_fraction:.1%} would not hold", plausible=cfg.max_degenerate_fraction)
     check("truncated", f"answers hit max_tokens {cfg.max_tokens}", limit=0.5)
     result.estimate = estimate_run(alone, together, total, len(endpoints), slots, cfg.queue_margin)
     RunProgress(cfg.output).write_section("canary", {

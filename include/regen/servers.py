@@ -310,7 +310,8 @@ def ensure(cfg: RunConfig, run_id: str) -> list[ServerRecord]:
     """This output's servers, brought up here if none serve it (a shard or canary retried after
     the teardown ran): the same staging and start as the setup tasks, under the node's lock."""
     layout = RunLayout(cfg.output)
-    records = read_state(layout)
+    with node_lock(layout):  # another shard may be starting them: its start ends with them healthy
+        records = read_state(layout)
     if records and any(r.running() for r in records):
         return recorded(cfg)
     from regen.manifest import Manifest
