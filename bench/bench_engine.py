@@ -203,7 +203,8 @@ def main() -> None:
     from regen.layout import RunLayout
     from regen.servers import stop_servers
 
-    clients = ["regen", "openai", "vllm bench serve", "httpx"]
+    # The simulator does not stream, and `vllm bench serve` only streams: it measures vLLM only.
+    clients = ["regen", "openai", "vllm bench serve", "httpx"] if args.engine == "vllm" else ["regen", "openai", "httpx"]
     names = {"regen": "regen generate", "openai": "AsyncOpenAI + semaphore",
              "vllm bench serve": "vllm bench serve (the engine's own client)",
              "httpx": "httpx 0.28 AsyncClient + semaphore (regen's former transport)"}
@@ -232,7 +233,7 @@ def main() -> None:
               else f"regen's simulator ({args.sim_args})")
     verdict = ", ".join(f"{median['regen'] / median[k]:.2f}x {names[k].split(' (')[0]} (round by round: "
                         + " · ".join(f"{a / b:.2f}" for a, b in zip(rates["regen"], rates[k])) + ")"
-                        for k in ("openai", "vllm bench serve"))
+                        for k in ("openai", "vllm bench serve") if k in clients)
     body = "\n".join(rows) + (
         f"\n\nOne server: {engine}; {files[2]:,} requests a round (the demo questions x{args.times}), "
         f"thinking on, max_tokens {args.max_tokens}, {args.concurrency} in flight for every client; "
