@@ -131,7 +131,7 @@ def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds,
             findings.append("error")
             continue
         to_render.append(i)
-        conversations.append(training_messages(_messages(row), row.get("reasoning_content"),
+        conversations.append(training_messages(row_messages(row), row.get("reasoning_content"),
                                                row.get("content"), template))
     texts = render(tokenizer, conversations, True if template.enable_thinking else None)
     counts = loss_token_counts(tokenizer, texts, fmt, thresholds.train_max_length, template.ignore)
@@ -173,11 +173,13 @@ def retokenized_differs(tokenizer, texts: list[str], rows: list[dict], fmt) -> l
     from regen.chat import assistant_spans
 
     out = [False] * len(texts)
-    todo = [(i, texts[i][slice(*assistant_spans(texts[i], fmt)[-1])]) for i, row in enumerate(rows)
-            if row.get("completion_token_ids") is not None and assistant_spans(texts[i], fmt)]
-    eos_tail = fmt.end_of_turn[len(fmt.end_of_turn.rstrip("\n")):]
-    encodings = tokenizer._tokenizer.encode_batch([span.removesuffix(eos_tail) for _, span in todo],
-                                                  add_special_tokens=False)
+    todo = []
+    for i, row in enumerate(rows):
+        spans = assistant_spans(texts[i], fmt) if row.get("completion_token_ids") is not None else []
+        if spans:
+            start, end = spans[-1]
+            todo.append((i, texts[i][start:end].removesuffix(fmt.after_eos)))
+    encodings = tokenizer._tokenizer.encode_batch([span for _, span in todo], add_special_tokens=False)
     for (i, _), encoding in zip(todo, encodings):
         generated = list(rows[i]["completion_token_ids"])
         ids = encoding.ids if rows[i].get("finish_reason") == "stop" else encoding.ids[:len(generated)]
@@ -185,7 +187,7 @@ def retokenized_differs(tokenizer, texts: list[str], rows: list[dict], fmt) -> l
     return out
 
 
-def _messages(row: dict) -> list[dict]:
+def row_messages(row: dict) -> list[dict]:
     messages = row["messages"]
     if hasattr(messages, "tolist"):
         messages = messages.tolist()
@@ -199,7 +201,7 @@ def _regenerated(row: dict) -> list[dict]:
     earlier = len(turns) - 1 if turns else 0
     if earlier <= 0:
         return []
-    return [m for m in _messages(row) if m["role"] == "assistant"][-earlier:]
+    return [m for m in row_messages(row) if m["role"] == "assistant"][-earlier:]
 
 
 def iter_batches(layout: RunLayout, batch_size: int = 512) -> Iterator[list[dict]]:

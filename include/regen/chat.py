@@ -26,6 +26,12 @@ class ChatFormat:
     think_start: str = "<think>"
     think_end: str = "</think>"
 
+    @property
+    def after_eos(self) -> str:
+        """What training renders after the end-of-turn token, which the engine does not generate
+        (the newline of ``<|im_end|>\n``)."""
+        return self.end_of_turn[len(self.end_of_turn.rstrip("\n")):]
+
 
 QWEN = ChatFormat()
 

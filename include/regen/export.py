@@ -100,8 +100,7 @@ class TokenMasker:
         fmt = TRAIN_TEMPLATES[template_name].fmt
         encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
         self.header, self.end_of_turn = encode(fmt.assistant_header), encode(fmt.end_of_turn)
-        eos = encode(fmt.end_of_turn.rstrip("\n"))
-        self.after_eos = self.end_of_turn[len(eos):]  # what training renders after the eos token
+        self.after_eos = encode(fmt.after_eos)
 
     def __call__(self, prompt_ids: list[int], completion_ids: list[int], finished: bool) -> tuple[list[int], list[int]]:
         mask = [0] * len(prompt_ids)

@@ -47,7 +47,7 @@ def build(rows: list[dict], results: dict[str, dict], why: dict[str, str], token
           template_name: str, max_length: int | None) -> list[dict[str, Any]]:
     """Per chosen row: the rendered text cut into (kind, text) segments, kind being "prompt",
     "loss" or "after_cut", and what the audit found."""
-    from regen.audit import _messages
+    from regen.audit import row_messages
     from regen.chat import TRAIN_TEMPLATES, assistant_spans, render, training_messages
 
     template = TRAIN_TEMPLATES[template_name]
@@ -58,7 +58,7 @@ def build(rows: list[dict], results: dict[str, dict], why: dict[str, str], token
                 "loss_tokens": result["loss_tokens"], "loss_tokens_uncut": result["loss_tokens_uncut"],
                 "tokens": result["tokens"], "error": row.get("error"), "segments": []}
         if row.get("error") is None:
-            conversation = training_messages(_messages(row), row.get("reasoning_content"), row.get("content"), template)
+            conversation = training_messages(row_messages(row), row.get("reasoning_content"), row.get("content"), template)
             text = render(tokenizer, [conversation], True if template.enable_thinking else None)[0]
             cut = len(text)
             if max_length:
