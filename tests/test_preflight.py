@@ -100,7 +100,7 @@ def test_the_dag_fails_at_preflight_before_staging_or_any_server(project_with_se
     for i in range(cfg.num_servers):
         assert processes_with_args("--port", str(cfg.base_port + i)) == []
     assert not (tmp_path / "out" / "work" / "servers").exists()  # no server ever launched
-    assert elapsed < 120  # measured in bench/preflight_fail_fast.py
+    assert elapsed < 120  # measured in bench/bench_preflight.py
 
 
 def problems_for(make_config, **overrides):
