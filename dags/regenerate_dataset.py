@@ -7,7 +7,9 @@ server per GPU. One run = one regeneration:
 `preflight` → `stage_weights` → `start_servers` (setup) → `canary` → (`approve`, when the run asks
 for a person's approval) → `generate` × shards → `audit`,
 with `stop_servers` (teardown) as soon as generation ends, whether the shards succeeded or not,
-so no GPU idles through the audit.
+so no GPU idles through the audit. A run over several GPU nodes (`nodes`) has each node's
+`preflight_NODE` → `stage_weights_NODE` → `start_servers_NODE` … `stop_servers_NODE` on its
+queue, all nodes at once; each shard claims the node with free capacity when it starts.
 
 Nothing that costs GPU time starts before `preflight` has compiled the code, validated the config,
 the prompts and the chat template. Clearing a failed shard resumes it where it stopped.
@@ -44,11 +46,18 @@ def _config(params):
     return RunConfig.from_mapping(dict(params), source="params")
 
 
-def _run(stage, params, **kwargs) -> dict:
-    """Run one stage (a function of the regen package) here or on the run's SSH node."""
+def _run(stage, params, node: str | None = None, **kwargs) -> dict:
+    """Run one stage (a function of the regen package) here or on the run's SSH node; ``node``:
+    for that node of a run over several."""
     from regen.pipeline import run
 
-    return run(stage, _config(params), **kwargs)
+    cfg = _config(params)
+    return run(stage, cfg.for_node(node) if node else cfg, **kwargs)
+
+
+def _nodes(params) -> list[str | None]:
+    """The nodes the per-node stages run for: each of ``nodes``, or the one node (None)."""
+    return [spec.name for spec in _config(params).nodes] or [None]
 
 
 def _run_id() -> str:
@@ -58,39 +67,54 @@ def _run_id() -> str:
 
 
 @task(retries=0)
-def preflight(params=None) -> list[int]:
+def preflight(dag_nodes: list[str], params=None) -> list[int]:
     from airflow.configuration import conf
 
+    from regen.config import ConfigError
     from regen.preflight import preflight
 
+    asked = [spec.name for spec in _config(params).nodes]
+    if asked != dag_nodes:  # each node's tasks are routed to its queue when the DAG is parsed
+        raise ConfigError(f"nodes {asked} differ from the nodes this DAG was built for {dag_nodes}: "
+                             f"change the nodes in the deployment's config file, not in the trigger form")
     return _run(preflight, params, run_id=_run_id(),
                 max_map_length=conf.getint("core", "max_map_length"))["shards"]
 
 
+@task(retries=0)
+def node_preflight(shards: list[int], node: str, params=None) -> list[int]:
+    from regen.preflight import node_preflight
+
+    _run(node_preflight, params, node=node)
+    return shards
+
+
 @task(retries=1, retry_delay=timedelta(seconds=10))
-def stage_weights(shards: list[int], params=None) -> str:
+def stage_weights(shards: list[int], node: str | None = None, params=None) -> str:
     from airflow.exceptions import AirflowSkipException
 
     from regen.stage import stage_weights
 
     if not shards:  # a scheduled run with nothing new: no weights, no servers, no requests
         raise AirflowSkipException("the dataset is up to date (see preflight); nothing to regenerate")
-    return _run(stage_weights, params)["path"]
+    return _run(stage_weights, params, node=node)["path"]
 
 
 @task(retries=0)
-def start_servers(served_model_path: str, params=None) -> list[str]:
+def start_servers(served_model_path: str, node: str | None = None, params=None) -> list[str]:
     from regen.servers import serve
 
-    return _run(serve, params, served_model_path=served_model_path, run_id=_run_id())["urls"]
+    return _run(serve, params, node=node, served_model_path=served_model_path, run_id=_run_id())["urls"]
 
 
 @task(retries=0)
 def canary(params=None) -> dict:
+    """The canary on every node: a misconfigured node fails the run before the shards start."""
     from regen.canary import canary
 
-    result = _run(canary, params, run_id=_run_id())
-    return {"estimate": result["estimate"], "examples": result["examples"]}
+    results = [_run(canary, params, node=node, run_id=_run_id()) for node in _nodes(params)]
+    return {"estimate": {"text": "; ".join(r["estimate"]["text"] for r in results)},
+            "examples": [e for r in results for e in r["examples"]]}
 
 
 @task.branch(retries=0)
@@ -114,10 +138,10 @@ Approve to start the shards; reject to stop the run here (its servers are stoppe
 @task(retries=SHARD_RETRIES, retry_delay=timedelta(seconds=SHARD_RETRY_DELAY_S), map_index_template="{{ shard_label }}",
       pool=SHARD_POOL, trigger_rule="none_failed_min_one_success")  # straight from the gate, or approved
 def generate(shard: int, params=None) -> str:
-    from regen.generate import generate
+    from regen.nodes import generate_shard
 
     get_current_context()["shard_label"] = f"shard {shard}/{params['num_shards']}"
-    return _run(generate, params, shard=shard, strict_index=True, run_id=_run_id())["summary"]
+    return generate_shard(_config(params), shard, _run_id())["summary"]
 
 
 @task(retries=0)
@@ -128,7 +152,8 @@ def audit(params=None) -> dict:
     cfg = _config(params)
     # Generation is over: this run's servers go, also when a shard brought them up itself after
     # the teardown had run (a run cleared with "only failed" does not run the teardown again).
-    _run(stop, params, run_id=_run_id())
+    for node in _nodes(params):
+        _run(stop, params, node=node, run_id=_run_id())
     summary = _run(audit, params)
     extra = {"rows": summary["samples"], "verdict": summary["verdict"],
              "degenerate_fraction": summary["degenerate_fraction"], "output": cfg.output}
@@ -141,10 +166,10 @@ def audit(params=None) -> dict:
 
 
 @task(retries=1, retry_delay=timedelta(seconds=5))
-def stop_servers(params=None) -> int:
+def stop_servers(node: str | None = None, params=None) -> int:
     from regen.servers import stop
 
-    return _run(stop, params, run_id=_run_id())["stopped"]
+    return _run(stop, params, node=node, run_id=_run_id())["stopped"]
 
 
 def regeneration_dag(run: deployment.RunDefinition):
@@ -166,16 +191,26 @@ def regeneration_dag(run: deployment.RunDefinition):
         default_args={"on_failure_callback": [notifier()], "queue": QUEUE},
     )
     def regenerate():
-        shards = preflight()
-        model = stage_weights(shards)
-        servers = start_servers(model)
+        shards = preflight([spec.name for spec in run.config.nodes])
         generated = generate.expand(shard=shards)
+        checked = canary()
+        if not run.config.nodes:  # one node: its tasks under their plain names
+            servers = start_servers(stage_weights(shards))
+            servers >> checked
+            generated >> stop_servers().as_teardown(setups=servers)
+        for spec in run.config.nodes:  # several: each node's own, on its own queue, all at once
+            on_node = {"queue": spec.queue or QUEUE}
+            ready = node_preflight.override(task_id=f"preflight_{spec.name}", **on_node)(shards, spec.name)
+            model = stage_weights.override(task_id=f"stage_weights_{spec.name}", **on_node)(ready, spec.name)
+            servers = start_servers.override(task_id=f"start_servers_{spec.name}", **on_node)(model, spec.name)
+            servers >> checked
+            generated >> stop_servers.override(task_id=f"stop_servers_{spec.name}", **on_node)(
+                spec.name).as_teardown(setups=servers)
         gate = approval_gate()
         approve = ApprovalOperator(task_id="approve", subject="regen: start generating {{ dag_run.dag_id }}?",
                                    body=APPROVAL_BODY, retries=0)
-        servers >> canary() >> gate >> [approve, generated]
+        checked >> gate >> [approve, generated]
         approve >> generated >> audit.override(outlets=outlets)()
-        generated >> stop_servers().as_teardown(setups=servers)
 
     return regenerate()
 

@@ -159,9 +159,9 @@ EXAMPLE_CHARS = 600  # of each example's reasoning and answer, for a person appr
 def canary(cfg: RunConfig, run_id: str | None = None) -> dict:
     """The canary stage, against the servers start_servers recorded (with ``run_id``, brought up
     here when they are gone, as a shard does)."""
-    from regen.servers import ensure, recorded
+    from regen.servers import servers_for
 
-    records = ensure(cfg, run_id) if run_id else recorded(cfg)
+    records = servers_for(cfg, run_id)
     result = run_canary(cfg, [(r.url, r.api_key) for r in records])
     if result.problems:
         raise CanaryFailed("\n".join(result.problems))

@@ -8,6 +8,7 @@ the same names for the same schema.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import shlex
 import sys
@@ -37,6 +38,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (
         if base is bool:
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
+        elif name == "nodes":
+            group.add_argument(flag, dest=name, default=None, metavar="JSON",
+                               help=f"{help_text} (a JSON list of objects)")
         elif base is list:
             group.add_argument(flag, dest=name, default=None, metavar="A,B",
                                help=f"{help_text} (comma-separated; server args: one string)")
@@ -82,6 +86,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
             value = [int(v) for v in str(value).split(",") if v.strip()]
         elif name == "extra_server_args":
             value = shlex.split(value)
+        elif name == "nodes":
+            value = json.loads(value)
         out[name] = None if value is _Unset else value
     return out
 
@@ -89,15 +95,14 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 def load_config(args: argparse.Namespace) -> RunConfig:
     overrides = _overrides(args)
     if getattr(args, "config_json", None):
-        import json
-
         return RunConfig.from_mapping({**json.loads(args.config_json), **overrides},
                                       source="--config-json")
     # Flags given on the command line are relative to where the command runs.
     cwd_relative = {k: str(Path(v).resolve()) for k, v in overrides.items()
                     if k in ("model_path", "prompts", "output", "staging_dir") and v}
     overrides.update(cwd_relative)
-    return RunConfig.load(args.config, overrides, base_dir=None if args.config else Path.cwd())
+    cfg = RunConfig.load(args.config, overrides, base_dir=None if args.config else Path.cwd())
+    return cfg.for_node(cfg.node) if cfg.node else cfg  # `--node NAME`: that node's stage
 
 
 def _setup_logging(verbose: bool = False) -> None:
@@ -143,7 +148,7 @@ def cmd_serve(args) -> int:
         return 0
     for url in run(serve, cfg, served_model_path=args.served_model_path, run_id=args.run_id)["urls"]:
         print(url)
-    print(f"state and logs: {RunLayout(cfg.output).servers}; stop with `regen serve --stop` and "
+    print(f"state and logs: {cfg.layout.servers}; stop with `regen serve --stop` and "
           f"the same config", file=sys.stderr)
     return 0
 
@@ -175,6 +180,11 @@ def cmd_generate(args) -> int:
     model_from = "model_path" if (args.config or args.config_json or args.model_path) else "servers"
     shards = [args.shard] if args.shard is not None else list(range(cfg.num_shards))
     for shard in shards:
+        if cfg.nodes and not endpoints:  # a run over several nodes: each shard claims one
+            from regen.nodes import generate_shard
+
+            print(generate_shard(cfg, shard, "cli", strict_index=False)["summary"])
+            continue
         print(run(generate, cfg, shard=shard, endpoints=endpoints, model_from=model_from)["summary"])
     return 0
 

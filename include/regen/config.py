@@ -10,13 +10,16 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from regen.errors import RegenError
 from regen.paths import DEMO_MODEL, DEMO_PROMPTS, PROJECT_ROOT, VAR_DIR
+
+if TYPE_CHECKING:
+    from regen.layout import RunLayout
 
 Engine = Literal["sglang", "vllm", "sim"]
 SpeculativeAlgorithm = Literal["EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"]
@@ -37,6 +40,36 @@ def _section(name: str) -> dict[str, Any]:
 
 class ConfigError(RegenError, ValueError):
     """A config that cannot be used; the message names each bad field, one per line."""
+
+
+class NodeSpec(BaseModel):
+    """One GPU node of a run over several: how it is reached and what differs on it. A field
+    left empty takes the run's value."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_\-]{0,39}$", description="Names its tasks and its servers' folder.")
+    queue: str | None = Field(None, pattern=r"^[A-Za-z0-9_\-.]{1,100}$",
+                              description="Celery queue of the worker on this node.")
+    ssh_conn_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_\-.]{1,250}$",
+                                    description="Airflow SSH connection of this node.")
+    remote_regen: str | None = None
+    gpus: list[int] | None = None
+    num_servers: int | None = Field(None, ge=1, le=64)
+    host: str | None = Field(None, pattern=_HOST.pattern,
+                             description="Address its servers listen on and are reached at.")
+    base_port: int | None = Field(None, ge=1024, le=65000)
+    staging_dir: str | None = None
+    engine_python: str | None = None
+    extra_server_args: list[str] | None = None
+    max_running_requests: int | None = Field(None, ge=1)
+    sim_tokens_per_second: float | None = Field(None, ge=0)
+    max_shards: int = Field(2, ge=1, le=1024, description="Shards generating on this node at once.")
+
+    def overrides(self) -> dict[str, Any]:
+        """The run's fields this node sets."""
+        return {k: v for k, v in self.model_dump(exclude={"name", "queue", "max_shards"}).items()
+                if v is not None}
 
 
 class RunConfig(BaseModel):
@@ -86,6 +119,22 @@ class RunConfig(BaseModel):
         "regen",
         title="regen on the node",
         description="The `regen` command on the SSH node (a path, e.g. /opt/regen/.venv/bin/regen).",
+        json_schema_extra=_section("Node"),
+    )
+
+    nodes: list[NodeSpec] = Field(
+        default_factory=list,
+        title="GPU nodes",
+        description="Several GPU nodes for one run, each a Celery queue or an SSH connection with "
+        "its own servers (fields left out take the run's values). Shards go to the node with free "
+        "capacity when they start. The output directory must be shared by every node. Empty: one "
+        "node, as set above.",
+        json_schema_extra=_section("Node"),
+    )
+    node: str | None = Field(
+        None,
+        title="This node",
+        description="Which of `nodes` a stage runs for (set by regen, not in the trigger form).",
         json_schema_extra=_section("Node"),
     )
 
@@ -438,6 +487,40 @@ class RunConfig(BaseModel):
                 f"one of {[n for n, t in TRAIN_TEMPLATES.items() if t.keeps_reasoning]}")
         return self
 
+    @model_validator(mode="after")
+    def _nodes_valid(self) -> "RunConfig":
+        names = [n.name for n in self.nodes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"nodes: each node needs its own name (got {names})")
+        if self.node is not None and self.nodes and self.node not in names:
+            raise ValueError(f"node {self.node!r} is not one of nodes {names}")
+        for spec in self.nodes:
+            try:
+                self.for_node(spec.name)
+            except ValidationError as exc:
+                raise ValueError(f"nodes: {spec.name}: " + "; ".join(
+                    f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
+        return self
+
+    def node_specs(self) -> list[NodeSpec]:
+        """The run's nodes: its list, or the one node the top-level fields describe."""
+        return list(self.nodes) or [NodeSpec(name="local", queue=None)]
+
+    def for_node(self, name: str) -> "RunConfig":
+        """The config a stage on node ``name`` runs with: the run's fields, the node's over them."""
+        if not self.nodes:
+            return self
+        spec = next(n for n in self.nodes if n.name == name)
+        data = {**self.model_dump(exclude={"nodes", "node"}), **spec.overrides(), "node": name}
+        return RunConfig.model_validate(data)
+
+    @property
+    def layout(self) -> "RunLayout":
+        """The output's paths, with this node's servers folder when the run has several nodes."""
+        from regen.layout import RunLayout
+
+        return RunLayout(self.output, self.node)
+
     def server_count_hint(self) -> int:
         return len(self.gpus) if self.gpus else self.num_servers
 
@@ -524,6 +607,10 @@ def _json_schema() -> dict[str, Any]:
     return RunConfig.model_json_schema()
 
 
+# Fields regen sets for a stage, never a person in the trigger form.
+NOT_PARAMS = frozenset({"node"})
+
+
 def param_schemas(defaults: RunConfig | None = None) -> dict[str, tuple[Any, dict[str, Any]]]:
     """Per field: (default, JSON schema) for an Airflow Param, from the pydantic schema; the
     defaults are ``defaults``' values (a deployment's config file) or the schema's own.
@@ -535,7 +622,12 @@ def param_schemas(defaults: RunConfig | None = None) -> dict[str, tuple[Any, dic
     defaults = (defaults or RunConfig()).model_dump(mode="json")
     out: dict[str, tuple[Any, dict[str, Any]]] = {}
     for name, prop in schema["properties"].items():
+        if name in NOT_PARAMS:
+            continue
         prop = dict(prop)
+        ref = prop.get("items", {}).get("$ref", "")
+        if ref:  # Airflow validates each Param on its own: no shared definitions to point to
+            prop["items"] = schema["$defs"][ref.rsplit("/", 1)[-1]]
         spec: dict[str, Any] = {}
         variants = prop.pop("anyOf", None)
         if variants:

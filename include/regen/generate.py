@@ -85,7 +85,7 @@ class ShardRun:
         self.on_row = on_row
         self.rebuild_index = rebuild_index
         self.expected_models = expected_models or {}
-        self.layout = RunLayout(cfg.output)
+        self.layout = cfg.layout
         self.store = ShardStore(self.layout, shard, cfg.num_shards)
         self.progress = RunProgress(self.layout)
         self.manifest = Manifest(self.layout)
@@ -230,6 +230,7 @@ class ShardRun:
         left = self.total - self.skipped - gen.done - gen.failed
         data = {
             "state": state, "shard": self.shard, "num_shards": self.cfg.num_shards,
+            "node": self.cfg.node or "local",
             "total": self.total, "done": self.skipped + gen.done, "failed": gen.failed,
             "sent": gen.done + gen.failed,
             "rows_per_s": round(rows_s, 3), "tokens_per_s": round(tok_s, 1),
@@ -254,14 +255,16 @@ class ShardRun:
 
 
 def generate(cfg: RunConfig, shard: int, endpoints: list[str] | None = None,
-             model_from: str = "servers", strict_index: bool = False, run_id: str | None = None) -> dict:
+             model_from: str = "servers", strict_index: bool = False, run_id: str | None = None,
+             give_up_after_s: float | None = None) -> dict:
     """The generate stage. Default: the servers start_servers recorded, and the model identity it
     recorded (the fingerprint of the copy they loaded); with ``run_id`` (a DAG shard), servers
     that are gone are brought up here first, so any retry path resumes the shard.
     ``endpoints``: URLs of running servers; their model's identity is then what they report
     (``model_from="servers"``) or the config's model directory (``"model_path"``).
     ``strict_index``: the manifest must be the one this run's preflight wrote (a DAG shard); else
-    the prompt file is indexed here when needed."""
+    the prompt file is indexed here when needed. ``give_up_after_s``: how long every server may
+    be down before the shard fails (a run over several nodes retries it on another)."""
     if endpoints:
         from regen.stage import model_fingerprint
 
@@ -269,9 +272,9 @@ def generate(cfg: RunConfig, shard: int, endpoints: list[str] | None = None,
         identity = model_fingerprint(cfg.model_path) if model_from == "model_path" else None
         expected: dict[str, str] = {}
     else:
-        from regen.servers import ensure, recorded
+        from regen.servers import servers_for
 
-        records = ensure(cfg, run_id) if run_id else recorded(cfg)
+        records = servers_for(cfg, run_id)
         identities = {r.model_fingerprint for r in records}
         if len(identities) != 1 or None in identities:
             raise ShardFailed(f"the recorded servers do not serve one known model ({identities}); "
@@ -280,8 +283,9 @@ def generate(cfg: RunConfig, shard: int, endpoints: list[str] | None = None,
         identity = identities.pop()
         expected = {r.url: r.served_model for r in records if r.served_model}
     with _progress_bar() as on_row:
-        result = ShardRun(cfg, pairs, shard, identity, on_row=on_row, rebuild_index=not strict_index,
-                          expected_models=expected, run_id=run_id or "cli").run()
+        tuning = ClientTuning(all_down_timeout_s=give_up_after_s) if give_up_after_s else None
+        result = ShardRun(cfg, pairs, shard, identity, tuning=tuning, on_row=on_row,
+                          rebuild_index=not strict_index, expected_models=expected, run_id=run_id or "cli").run()
     return {**asdict(result), "summary": result.summary()}
 
 
@@ -334,7 +338,7 @@ def generate_rows(cfg: RunConfig, prompts: list[Prompt], endpoints: list[tuple[s
     async def run() -> tuple[list[dict], int]:
         rows: list[dict] = []
         async with open_endpoints(endpoints, cfg, tuning) as eps:
-            pool = ServerPool(eps, tuning, NodeShare(RunLayout(cfg.output), "canary", "", eps))
+            pool = ServerPool(eps, tuning, NodeShare(cfg.layout, "canary", "", eps))
             conversations = [Conversation(p.id, p.messages, all_turns=cfg.regenerate_turns == "all")
                              for p in prompts]
             pool.demand = sum(c.turn_count for c in conversations)

@@ -13,6 +13,8 @@
         locks/shard-*.lock                one generator per shard
         errors/shard-*.txt                unreadable prompt records, file:line
         servers/                          servers.json, server-I.log, leases/, the node lock
+        nodes/NODE/                       the same, per node of a run over several nodes
+        claims/NODE/                      the shards generating on each node now
         progress/                         each writer's part of progress.json, history.jsonl
         alerts/                           markers of alerts already sent
 """
@@ -39,9 +41,11 @@ def parse_shard_file(name: str) -> tuple[int, int] | None:
 @dataclass(frozen=True)
 class RunLayout:
     root: Path
+    node: str | None = None  # a node of a run over several: its servers have their own folder
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, node: str | None = None):
         object.__setattr__(self, "root", Path(root))
+        object.__setattr__(self, "node", node)
 
     @classmethod
     def from_data_arg(cls, path: str | Path) -> "RunLayout":
@@ -114,7 +118,14 @@ class RunLayout:
 
     @property
     def servers(self) -> Path:
-        return self.work / "servers"
+        return self.work / "servers" if self.node is None else self.node_dir(self.node)
+
+    def node_dir(self, node: str) -> Path:
+        return self.work / "nodes" / node
+
+    def node_claims(self, node: str) -> Path:
+        """Slots of the shards generating on a node now (:mod:`regen.nodes`)."""
+        return self.work / "claims" / node
 
     @property
     def servers_state(self) -> Path:

@@ -26,6 +26,7 @@ log = logging.getLogger("regen")
 # Every function that may run as a stage, local or remote: a node runs nothing else by name.
 STAGES = frozenset({
     "regen.preflight:preflight",
+    "regen.preflight:node_preflight",
     "regen.stage:stage_weights",
     "regen.servers:serve",
     "regen.servers:stop",

@@ -269,7 +269,7 @@ def check_output(cfg: RunConfig, report: PreflightReport) -> None:
 def check_ports(cfg: RunConfig, report: PreflightReport) -> None:
     from regen.servers import is_healthy, port_is_free, read_state, server_slots
 
-    ours = {r.port for r in read_state(RunLayout(cfg.output)) if is_healthy(r.url)}
+    ours = {r.port for r in read_state(cfg.layout) if is_healthy(r.url)}
     taken = [cfg.base_port + i for i in range(len(server_slots(cfg)))
              if cfg.base_port + i not in ours and not port_is_free(cfg.host, cfg.base_port + i)]
     if taken:
@@ -285,20 +285,39 @@ def check_map_length(cfg: RunConfig, report: PreflightReport, max_map_length: in
             f"{max_map_length} shards or raise the setting")
 
 
-def run_preflight(cfg: RunConfig, code: bool = True, max_map_length: int | None = None) -> PreflightReport:
+def run_preflight(cfg: RunConfig, code: bool = True, max_map_length: int | None = None,
+                  scope: str = "all") -> PreflightReport:
+    """``scope``: "all" (a one-node run), "run" (what every node shares: config, prompts,
+    output) or "node" (what each node has: code, engine, model, staging space, ports)."""
     started = time.monotonic()
     report = PreflightReport()
     if code:
         report.problems.extend(check_code())
-    check_map_length(cfg, report, max_map_length)
-    check_engine(cfg, report)
-    check_prompts(cfg, report)
+    if scope != "node":
+        check_map_length(cfg, report, max_map_length)
+    if scope != "run":
+        check_engine(cfg, report)
+    if scope != "node":
+        check_prompts(cfg, report)
     check_model(cfg, report)
     check_space(cfg, report)
-    check_output(cfg, report)
-    check_ports(cfg, report)
+    if scope != "node":
+        check_output(cfg, report)
+    if scope != "run":
+        check_ports(cfg, report)
     report.seconds = time.monotonic() - started
     return report
+
+
+def node_preflight(cfg: RunConfig) -> dict:
+    """The preflight of one node of a run over several, on that node's interpreter: its code,
+    engine, model, staging space and ports."""
+    report = run_preflight(cfg, scope="node")
+    if not report.ok:
+        raise PreflightFailed([f"node {cfg.node}: {problem}" for problem in report.problems])
+    return {"node": cfg.node, "seconds": round(report.seconds, 2),
+            "summary": f"node {cfg.node}: preflight passed in {report.seconds:.1f} s (engine {cfg.engine}, "
+                       f"{cfg.server_count_hint()} server(s) from port {cfg.base_port})"}
 
 
 def preflight(cfg: RunConfig, code: bool = True, run_id: str = "cli",
@@ -308,7 +327,7 @@ def preflight(cfg: RunConfig, code: bool = True, run_id: str = "cli",
     ``max_map_length``: the deployment's limit on mapped tasks (the DAG passes Airflow's)."""
     from regen.manifest import Manifest
 
-    report = run_preflight(cfg, code=code, max_map_length=max_map_length)
+    report = run_preflight(cfg, code=code, max_map_length=max_map_length, scope="run" if cfg.nodes else "all")
     if not report.ok:
         raise PreflightFailed(report.problems)
     from regen.generate import shards_to_run  # only now: the code it is in has just been checked

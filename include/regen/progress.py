@@ -150,8 +150,11 @@ def run_data(layout: RunLayout) -> dict:
 
 def progress(cfg: "RunConfig") -> dict:
     """The progress stage: run_data of the run's output, read where the output lives."""
+    from regen.nodes import node_view
+
     data = run_data(RunLayout(cfg.output))
     progress_ = data["progress"]
+    data["nodes"] = node_view(cfg, progress_)
     data["summary"] = (f"{progress_.get('done', 0):,} of {progress_.get('total', 0):,} done, "
                        f"{progress_.get('failed', 0):,} failed")
     return data

@@ -154,7 +154,8 @@ def key_file(layout: RunLayout) -> Path:
     shared, copied and archived), in an owner-only folder of the node's user."""
     root = Path(os.environ.get("REGEN_KEY_DIR") or Path.home() / ".cache" / "regen" / "keys")
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return root / (hashlib.sha256(str(layout.root.resolve()).encode()).hexdigest()[:24] + ".json")
+    name = str(layout.root.resolve()) + (f"#{layout.node}" if layout.node else "")
+    return root / (hashlib.sha256(name.encode()).hexdigest()[:24] + ".json")
 
 
 def _write_private(path: Path, doc: dict) -> None:
@@ -222,7 +223,7 @@ def start_servers(cfg: RunConfig, model_path: str, run_id: str = "cli",
     """Healthy servers of this config, reusing what already serves it; idempotent."""
     from regen.stage import model_fingerprint
 
-    layout = RunLayout(cfg.output)
+    layout = cfg.layout
     fingerprint = fingerprint or model_fingerprint(model_path)
     with node_lock(layout):
         previous = {r.index: r for r in read_state(layout)}
@@ -290,6 +291,8 @@ def ensure_watchdog(layout: RunLayout, idle_shutdown_s: float | None) -> None:
     import sys
 
     argv = [sys.executable, "-m", "regen.watchdog", "--output", str(layout.root)]
+    if layout.node:
+        argv += ["--node", layout.node]
     if idle_shutdown_s:
         argv += ["--idle-shutdown-s", str(idle_shutdown_s)]
     proc = procs.spawn(argv, layout.watchdog_log, dict(os.environ), layout.servers)
@@ -309,7 +312,7 @@ def stop_watchdog(layout: RunLayout) -> None:
 def ensure(cfg: RunConfig, run_id: str) -> list[ServerRecord]:
     """This output's servers, brought up here if none serve it (a shard or canary retried after
     the teardown ran): the same staging and start as the setup tasks, under the node's lock."""
-    layout = RunLayout(cfg.output)
+    layout = cfg.layout
     with node_lock(layout):  # another shard may be starting them: its start ends with them healthy
         records = read_state(layout)
     if records and any(r.running() for r in records):
@@ -434,7 +437,7 @@ def stop_servers(layout: RunLayout, run_id: str = "cli", every: bool = False,
 def recorded(cfg: RunConfig) -> list[ServerRecord]:
     """The servers start_servers recorded for this output, on this node; a clear message when
     there are none, or when they run on another node."""
-    layout = RunLayout(cfg.output)
+    layout = cfg.layout
     records = read_state(layout)
     if not records:
         raise ServerError(
@@ -449,6 +452,20 @@ def recorded(cfg: RunConfig) -> list[ServerRecord]:
     return records
 
 
+def servers_for(cfg: RunConfig, run_id: str | None) -> list[ServerRecord]:
+    """The servers a shard or the canary uses. A node of a run over several: the ones its
+    start_servers task recorded, reached over the network from wherever this runs (never started
+    here: this may be another machine). One node: with ``run_id`` (a DAG task) brought up here
+    if they are gone, else as recorded."""
+    if cfg.node:
+        records = read_state(cfg.layout)
+        if not records:
+            raise ServerError(f"node {cfg.node} has no servers recorded in {cfg.layout.servers}: "
+                              f"clear start_servers_{cfg.node}")
+        return records
+    return ensure(cfg, run_id) if run_id else recorded(cfg)
+
+
 # --- the stages ---------------------------------------------------------------------------------
 
 def serve(cfg: RunConfig, served_model_path: str | None = None, run_id: str = "cli") -> dict:
@@ -457,7 +474,7 @@ def serve(cfg: RunConfig, served_model_path: str | None = None, run_id: str = "c
     from regen.manifest import Manifest
 
     model_path = served_model_path or cfg.model_path
-    manifest = Manifest(RunLayout(cfg.output))
+    manifest = Manifest(cfg.layout)
     staged = manifest.read().get("model") or {}
     fingerprint = staged.get("fingerprint") if staged.get("path") == model_path else None
     records = start_servers(cfg, model_path, run_id, fingerprint)
@@ -471,7 +488,7 @@ def serve(cfg: RunConfig, served_model_path: str | None = None, run_id: str = "c
 
 def stop(cfg: RunConfig, run_id: str = "cli", every: bool = False) -> dict:
     """The stop_servers stage (teardown): this run's servers (``every``: all recorded ones)."""
-    stopped, others = stop_servers(RunLayout(cfg.output), run_id, every)
+    stopped, others = stop_servers(cfg.layout, run_id, every)
     summary = f"stopped {stopped} server(s)"
     if others:
         summary += f"; left {len(others)} of run(s) {', '.join(sorted({r.owner for r in others}))}"
@@ -480,8 +497,8 @@ def stop(cfg: RunConfig, run_id: str = "cli", every: bool = False) -> dict:
 
 def logs(cfg: RunConfig, lines: int = 40) -> dict:
     """The last lines of every recorded server's log."""
-    records = read_state(RunLayout(cfg.output))
+    records = read_state(cfg.layout)
     text = "\n".join(f"==> server {r.index} (port {r.port}, pid {r.pid}): {r.log_path}\n"
                      f"{log_tail(r.log_path, lines)}" for r in records)
     return {"servers": len(records), "logs": text,
-            "summary": text or f"no servers recorded in {RunLayout(cfg.output).servers}"}
+            "summary": text or f"no servers recorded in {cfg.layout.servers}"}

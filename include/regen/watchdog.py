@@ -73,13 +73,14 @@ def watch(layout: RunLayout, idle_shutdown_s: float | None, poll_s: float = 1.0)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m regen.watchdog", description=__doc__.splitlines()[0])
     parser.add_argument("--output", required=True, help="the output directory whose servers to watch")
+    parser.add_argument("--node", default=None, help="the node of a run over several nodes")
     parser.add_argument("--idle-shutdown-s", type=float, default=None)
     parser.add_argument("--poll-s", type=float, default=1.0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("watching the servers of %s (idle shutdown: %s)", args.output,
              f"{args.idle_shutdown_s:.0f} s" if args.idle_shutdown_s else "never")
-    log.info("exiting: %s", watch(RunLayout(args.output), args.idle_shutdown_s, args.poll_s))
+    log.info("exiting: %s", watch(RunLayout(args.output, args.node), args.idle_shutdown_s, args.poll_s))
     return 0
 
 

@@ -111,6 +111,7 @@ td:first-child,th:first-child{text-align:left}.bar{background:#e8eef8;width:12em
 <h1>regen run <span class="muted" id="title">__TITLE__</span></h1>
 <div id="summary" class="muted">loading...</div>
 <h2>Tokens per second</h2><svg id="chart" width="640" height="160" style="border:1px solid #ddd"></svg>
+<div id="nodes-section" hidden><h2>Nodes</h2><table id="nodes"></table></div>
 <h2>Shards</h2><table id="shards"></table>
 <h2>Servers</h2><table id="servers"></table>
 <h2>Audit</h2><div id="audit" class="muted">not run yet</div>
@@ -160,8 +161,12 @@ async function refresh() {
     " \u00b7 ", el("span", {class: "muted", id: "output"}, d.output));
   chart(d.history || [], p);
   const shards = Object.values(p.shards || {}).sort((a, b) => a.shard - b.shard);
-  table("shards", ["shard", "state", "progress", "done", "failed", "tok/s", "ETA"],
-    shards.map(s => [`shard ${s.shard}/${s.num_shards}`, s.state, bar(s.done, s.total), `${fmt(s.done)}/${fmt(s.total)}`, fmt(s.failed), fmt(Math.round(s.tokens_per_s || 0)), dur(s.eta_s)]));
+  const nodes = d.nodes || [];
+  document.getElementById("nodes-section").hidden = nodes.length < 2;
+  table("nodes", ["node", "reached by", "servers", "shards running", "shards done", "rows", "tok/s"],
+    nodes.map(n => [n.node, n.reached_by, n.servers.map(s => s.url).join(" "), `${fmt(n.shards_running)}/${fmt(n.max_shards)}`, fmt(n.shards_done), fmt(n.rows), fmt(Math.round(n.tokens_per_s))]));
+  table("shards", ["shard", "node", "state", "progress", "done", "failed", "tok/s", "ETA"],
+    shards.map(s => [`shard ${s.shard}/${s.num_shards}`, s.node || "", s.state, bar(s.done, s.total), `${fmt(s.done)}/${fmt(s.total)}`, fmt(s.failed), fmt(Math.round(s.tokens_per_s || 0)), dur(s.eta_s)]));
   table("servers", ["server", "healthy", "done", "failed", "in flight", "running", "queued", "accept length"],
     Object.entries(p.servers || {}).map(([url, s]) => { const m = s.metrics || {}; return [url, s.healthy ? "yes" : "no", fmt(s.done), fmt(s.failed), fmt(s.in_flight), fmt(m.running), fmt(m.queued), m.spec_accept_length == null ? "" : m.spec_accept_length]; }));
   const a = d.audit;
