@@ -91,6 +91,7 @@ class ShardRun:
         self.manifest = Manifest(self.layout)
         self.model_identity = model_identity
         self.started = time.monotonic()
+        self.started_wall = time.time()
         self.gen: Generator | None = None
         self.eps: list = []
 
@@ -232,7 +233,8 @@ class ShardRun:
             "state": state, "shard": self.shard, "num_shards": self.cfg.num_shards,
             "node": self.cfg.node or "local",
             "total": self.total, "done": self.skipped + gen.done, "failed": gen.failed,
-            "sent": gen.done + gen.failed,
+            "sent": gen.done + gen.failed, "tokens": gen.tokens,
+            "started_at": round(self.started_wall, 2),
             "rows_per_s": round(rows_s, 3), "tokens_per_s": round(tok_s, 1),
             "eta_s": round(left / rows_s) if rows_s > 0 else None,
             "elapsed_s": round(time.monotonic() - self.started, 1),

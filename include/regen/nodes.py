@@ -131,3 +131,33 @@ def node_view(cfg: RunConfig, progress: dict) -> list[dict[str, Any]]:
             "max_shards": spec.max_shards,
         })
     return view
+
+
+def node_balance(shards: dict[str, dict]) -> dict[str, Any]:
+    """How well the work split over the nodes, from the shards' progress: per node, the tokens
+    it generated over the time it was busy (the union of its shards' spans) is its real capacity;
+    the ideal makespan is all tokens over all nodes' capacity, both finishing together."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    tokens: dict[str, int] = {}
+    for s in shards.values():
+        if not s.get("started_at") or not s.get("updated"):
+            continue
+        spans.setdefault(s.get("node", "local"), []).append((s["started_at"], s["updated"]))
+        tokens[s.get("node", "local")] = tokens.get(s.get("node", "local"), 0) + s.get("tokens", 0)
+    nodes = {}
+    for node, intervals in spans.items():
+        busy, end = 0.0, float("-inf")
+        for start, stop in sorted(intervals):
+            start = max(start, end)
+            busy += max(0.0, stop - start)
+            end = max(end, stop)
+        nodes[node] = {"tokens": tokens[node], "busy_s": round(busy, 2),
+                       "tokens_per_s": round(tokens[node] / busy, 1) if busy else 0.0}
+    if not nodes:
+        return {"nodes": {}, "makespan_s": None, "ideal_s": None}
+    first = min(a for intervals in spans.values() for a, _ in intervals)
+    last = max(b for intervals in spans.values() for _, b in intervals)
+    capacity = sum(n["tokens_per_s"] for n in nodes.values())
+    ideal = sum(tokens.values()) / capacity if capacity else None
+    return {"nodes": nodes, "makespan_s": round(last - first, 2),
+            "ideal_s": round(ideal, 2) if ideal else None}
