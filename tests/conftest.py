@@ -242,20 +242,20 @@ class AirflowProcesses:
         assert left == [], f"Airflow processes left behind: {left}"
 
 
-def trigger_run(api, cfg) -> str:
+def trigger_run(api, cfg, dag_id: str = "regenerate_dataset") -> str:
     """Wait for the DAG to be parsed, unpause it, trigger a run of ``cfg`` through the REST API."""
     import json
 
-    wait_until(lambda: api.get("/dags/regenerate_dataset").status_code == 200, 180, "DAG parsed")
-    assert api.patch("/dags/regenerate_dataset", json={"is_paused": False}).status_code == 200
-    created = api.post("/dags/regenerate_dataset/dagRuns",
-                       json={"logical_date": None, "conf": json.loads(cfg.model_dump_json())})
+    wait_until(lambda: api.get(f"/dags/{dag_id}").status_code == 200, 180, "DAG parsed")
+    assert api.patch(f"/dags/{dag_id}", json={"is_paused": False}).status_code == 200
+    conf = json.loads(cfg.model_dump_json(exclude={"node"}))
+    created = api.post(f"/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": conf})
     assert created.status_code == 200, created.text
     return created.json()["dag_run_id"]
 
 
-def wait_run(api, run_id: str, timeout: float) -> str:
-    path = f"/dags/regenerate_dataset/dagRuns/{run_id}"
+def wait_run(api, run_id: str, timeout: float, dag_id: str = "regenerate_dataset") -> str:
+    path = f"/dags/{dag_id}/dagRuns/{run_id}"
     wait_until(lambda: api.get(path).json()["state"] in ("success", "failed"), timeout, "the run")
     return api.get(path).json()["state"]
 

@@ -1,12 +1,16 @@
 """A real Celery cluster: PostgreSQL metadata DB, Redis broker, API server, scheduler, DAG
 processor and two Celery workers (each with its own queue, standing for a GPU node, and the
-shared `gpu` queue regen's tasks go to). Shards spread over both workers; one worker is killed
-with SIGKILL in the middle of a shard, the shard is retried on the other, and the dataset ends
-with every id exactly once. The test starts and stops every process it needs (about 2 minutes).
+shared `gpu` queue regen's tasks go to). The deployment has two DAGs: `regenerate_dataset` (one
+node) and `regenerate_two_nodes` (`nodes` a and b, each staged, served and torn down on its own
+queue). Two-node runs: node b serving at half speed, the work splits by capacity; node b's worker
+and servers SIGKILLed mid-run, the run completes on node a. One-node run: one worker is killed
+with SIGKILL in the middle of a shard, the shard is retried on the other. Every dataset ends with
+every id exactly once. The module starts and stops every process it needs (about 7 minutes).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,10 +20,14 @@ from pathlib import Path
 import httpx
 import pandas as pd
 import pytest
+import yaml
 
 from conftest import (BIN, ROOT, AirflowProcesses, airflow_env, free_port_base, read_ids,
                       trigger_run, wait_run, wait_until)
 from regen.layout import shard_name
+from regen.nodes import node_balance
+from regen.progress import progress, read_json
+from regen.servers import read_state
 from regen.store import Journal
 
 PG = "postgresql+psycopg2://postgres@127.0.0.1:5432"
@@ -48,6 +56,7 @@ def cluster(tmp_path_factory):
         AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS="True",
         AIRFLOW__CORE__HOSTNAME_CALLABLE="worker_name.hostname",
         AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT="20",
+        REGEN_CONFIG_DIR=str(deployment(home)), REGEN_SHARD_RETRY_DELAY_S="2",
         REGEN_QUEUE="gpu")
     migrate = subprocess.run([str(BIN / "airflow"), "db", "migrate"], env=env, capture_output=True, text=True)
     assert migrate.returncode == 0, migrate.stderr[-3000:] + migrate.stdout[-2000:]
@@ -55,16 +64,114 @@ def cluster(tmp_path_factory):
     cluster.start("api-server", "api-server")
     cluster.start("scheduler", "scheduler")
     cluster.start("dag-processor", "dag-processor")
-    for worker, queue in (("worker-a", "node-a"), ("worker-b", "node-b")):
+    def start_worker(worker: str, queue: str) -> None:
         cluster.start(worker, "celery", "worker", "--queues", f"gpu,{queue}", "--concurrency", "2",
                       "--celery-hostname", f"{worker}@%h", REGEN_WORKER_NAME=worker)
+
+    for worker, queue in (("worker-a", "node-a"), ("worker-b", "node-b")):
+        start_worker(worker, queue)
     base = f"http://127.0.0.1:{port}"
     try:
         cluster.wait_api(base)
-        yield {"base": base, "procs": cluster.procs, "home": home}
+        yield {"base": base, "procs": cluster.procs, "home": home, "start_worker": start_worker}
     finally:
         cluster.stop()
         psql(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+
+
+def deployment(home: Path) -> Path:
+    """The deployment's config folder: the one-node DAG and the two-node one (names, queues)."""
+    folder = home / "regen-configs"
+    folder.mkdir()
+    (folder / "dataset.yaml").write_text("{}\n")
+    (folder / "two_nodes.yaml").write_text(yaml.safe_dump({"nodes": [{"name": "a", "queue": "node-a"},
+                                                                     {"name": "b", "queue": "node-b"}]}))
+    return folder
+
+
+def two_node_config(make_config, tmp_path, speed: float):
+    """Nodes a and b, one server each, b at half a's speed; 24 shards, two at once per node."""
+    nodes = [{"name": name, "queue": f"node-{name}", "base_port": free_port_base(1), "num_servers": 1,
+              "staging_dir": str(tmp_path / f"shm-{name}"), "sim_tokens_per_second": tokens_per_s,
+              "max_shards": 2} for name, tokens_per_s in (("a", speed), ("b", speed / 2))]
+    return make_config(num_shards=24, num_servers=1, concurrency_per_server=4,
+                       sim_tokens_per_second=speed, nodes=nodes)
+
+
+def dataset_ids(cfg) -> pd.DataFrame:
+    df = pd.read_parquet(Path(cfg.output) / "data")
+    assert len(df) == 280 and df["id"].is_unique
+    assert sorted(df["id"]) == sorted(read_ids(ROOT / "demo" / "prompts.jsonl"))
+    return df
+
+
+@pytest.mark.slow
+def test_two_nodes_split_the_work_by_capacity(cluster, make_config, tmp_path):
+    api = httpx.Client(base_url=f"{cluster['base']}/api/v2", timeout=30)
+    cfg = two_node_config(make_config, tmp_path, speed=60)
+    run_id = trigger_run(api, cfg, "regenerate_two_nodes")
+    state = wait_run(api, run_id, 600, "regenerate_two_nodes")
+    instances = api.get(f"/dags/regenerate_two_nodes/dagRuns/{run_id}/taskInstances",
+                        params={"limit": 100}).json()["task_instances"]
+    assert state == "success", [(t["task_id"], t["map_index"], t["state"]) for t in instances]
+    # Each node's setup and teardown ran on that node's worker.
+    hosts = {t["task_id"]: t["hostname"] for t in instances if t["map_index"] == -1}
+    for node in ("a", "b"):
+        for task in ("preflight", "stage_weights", "start_servers", "stop_servers"):
+            assert hosts[f"{task}_{node}"] == f"worker-{node}", (task, node, hosts)
+    df = dataset_ids(cfg)
+    urls = {node: f"http://127.0.0.1:{spec.base_port}" for node, spec in zip("ab", cfg.nodes)}
+    on_a = (df["server"] == urls["a"]).sum()
+    assert on_a + (df["server"] == urls["b"]).sum() == 280
+    assert on_a > 280 * 0.55, on_a  # the faster node did more (ideal: two thirds)
+    balance = node_balance(json.loads((Path(cfg.output) / "progress.json").read_text())["shards"])
+    assert balance["makespan_s"] <= 1.15 * balance["ideal_s"], balance
+    # One run page: both nodes, their servers (stopped by now) and their shards.
+    view = {n["node"]: n for n in progress(cfg)["nodes"]}
+    assert view["a"]["shards_done"] + view["b"]["shards_done"] == 24
+    assert view["a"]["reached_by"] == "queue node-a" and view["a"]["shards_done"] > view["b"]["shards_done"]
+
+
+@pytest.mark.slow
+def test_two_nodes_one_lost_mid_run(cluster, make_config, tmp_path):
+    api = httpx.Client(base_url=f"{cluster['base']}/api/v2", timeout=30)
+    cfg = two_node_config(make_config, tmp_path, speed=60)
+    run_id = trigger_run(api, cfg, "regenerate_two_nodes")
+    b = cfg.for_node("b")
+
+    def b_half_way() -> bool:
+        data = read_json(Path(cfg.output) / "progress.json") or {}
+        return sum(s.get("done", 0) for s in data.get("shards", {}).values() if s.get("node") == "b") >= 10
+
+    wait_until(b_half_way, 300, "node b generating")
+    os.killpg(cluster["procs"]["worker-b"].pid, signal.SIGKILL)  # the worker and the shards it runs
+    cluster["procs"]["worker-b"].wait()
+    for record in read_state(b.layout):  # and the node's servers
+        os.kill(record.pid, signal.SIGKILL)
+    kept = {row["id"] for path in (Path(cfg.output) / "work" / "journal").glob("*.jsonl")
+            for row in Journal.rows(path)}
+    tis = f"/dags/regenerate_two_nodes/dagRuns/{run_id}/taskInstances"
+
+    def state_of(task_id: str) -> str | None:
+        return api.get(f"{tis}/{task_id}").json().get("state")
+
+    try:
+        # The shards and the audit complete on node a alone ...
+        wait_until(lambda: state_of("audit") in ("success", "failed", "upstream_failed"), 600, "the audit")
+        instances = api.get(tis, params={"limit": 100}).json()["task_instances"]
+        assert state_of("audit") == "success", [(t["task_id"], t["map_index"], t["state"]) for t in instances]
+        df = dataset_ids(cfg)
+        assert kept <= set(df["id"])  # nothing finished before the loss was generated again
+        shards = [t for t in instances if t["task_id"] == "generate"]
+        assert all(t["state"] == "success" for t in shards)
+        retried = [t for t in shards if t["try_number"] >= 2]
+        assert retried and all(t["hostname"] == "worker-a" for t in retried)
+        # ... while the lost node's teardown waits on its queue for the node to come back.
+        assert state_of("stop_servers_b") == "queued"
+    finally:
+        cluster["start_worker"]("worker-b", "node-b")  # the next test kills a worker of its own
+    assert wait_run(api, run_id, 300, "regenerate_two_nodes") == "success"
+    assert state_of("stop_servers_b") == "success"
 
 
 @pytest.mark.slow

@@ -88,13 +88,14 @@ def test_every_command_is_an_airflow_command(name):
         assert flag in out.stdout, f"{name}: {flag}"
 
 
-def test_the_gpu_worker_gets_gpus_shared_memory_and_its_own_queue():
-    gpu = SERVICES["airflow-gpu-worker"]
+@pytest.mark.parametrize("name", ["airflow-gpu-worker", "airflow-gpu-worker-b"])
+def test_the_gpu_worker_gets_gpus_shared_memory_and_its_own_queue(name):
+    gpu = SERVICES[name]
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert any("gpu" in d["capabilities"] for d in devices)
     assert gpu.get("ipc") == "host" or gpu.get("shm_size")
-    queue = gpu["command"].split("--queues")[1].split()[0]
-    assert queue == gpu["environment"]["REGEN_QUEUE"]  # the DAG sends its tasks there
+    queues = gpu["command"].split("--queues")[1].split()[0].split(",")
+    assert gpu["environment"]["REGEN_QUEUE"] in queues  # the DAG sends its tasks there
     assert "default" in SERVICES["airflow-worker"]["command"]
     init = "\n".join(SERVICES["airflow-init"]["command"])
     pool = gpu["environment"]["REGEN_POOL"]
@@ -102,3 +103,29 @@ def test_the_gpu_worker_gets_gpus_shared_memory_and_its_own_queue():
     out = subprocess.run([str(BIN / "airflow"), "pools", "set", "--help"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0
+
+
+def test_two_gpu_nodes_one_run_over_both():
+    """deploy/two_nodes.yaml: each node's queue is served by exactly one GPU worker, whose host
+    name is the address its servers are reached at, on GPUs of its own; the output and the
+    servers' keys are on the volume every worker mounts."""
+    from pathlib import Path
+
+    from regen.deployment import configured_file
+
+    run = configured_file(ROOT / "deploy" / "two_nodes.yaml")
+    env = SERVICES["airflow-gpu-worker"]["environment"]
+    assert env["REGEN_CONFIG_DIR"] == "/opt/airflow/deploy" and run.dag_id == "regenerate_two_nodes"
+    serving = {q: name for name, s in SERVICES.items() if "--queues" in str(s.get("command", ""))
+               for q in s["command"].split("--queues")[1].split()[0].split(",")}
+    gpus = []
+    for spec in run.config.nodes:
+        worker = SERVICES[serving[spec.queue]]
+        assert worker["hostname"] == spec.host
+        devices = worker["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+        assert [int(d) for d in devices] == spec.gpus
+        gpus += spec.gpus
+        assert "regen-data:/data/regen" in worker["volumes"]
+    assert len(gpus) == len(set(gpus)) == 8
+    shared = Path("/data/regen")
+    assert shared in Path(run.config.output).parents and shared in Path(env["REGEN_KEY_DIR"]).parents

@@ -419,7 +419,9 @@ def stop_servers(layout: RunLayout, run_id: str = "cli", every: bool = False,
     of them is left; (how many stopped, the others' records). Safe to repeat."""
     with node_lock(layout):
         records = read_state(layout)
-        mine = [r for r in records if every or r.owner == run_id or not r.running()]
+        # A PID means nothing on another machine: servers recorded there are its teardown's.
+        here = [r for r in records if not r.node or r.node == node_name()]
+        mine = [r for r in here if every or r.owner == run_id or not r.running()]
         others = [r for r in records if r not in mine]
         problems = stop_records(mine, grace_s)
         if problems:
