@@ -44,6 +44,13 @@ class SlotBudget:
             self._held[slot] = fd
         return len(self._held)
 
+    def free(self) -> int:
+        """Slots nobody holds now (this process included)."""
+        from regen.leases import path_is_locked
+
+        return sum(slot not in self._held and not path_is_locked(self.directory / f"slot-{slot:04d}")
+                   for slot in range(self.size))
+
     def give_back(self, keep: int) -> None:
         """Release slots down to ``keep`` (the caller keeps at least its requests in flight)."""
         for slot in sorted(self._held, reverse=True):

@@ -14,9 +14,7 @@ cluster), so journals, shard files and claims are wherever the shard lands.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
-import os
 import time
 from typing import Any, Iterator
 
@@ -42,32 +40,14 @@ def node_answers(node_cfg: RunConfig) -> bool:
     return any(is_healthy(r.url, timeout=3.0) for r in read_state(node_cfg.layout) if r.url)
 
 
-def _try_slot(directory, size: int) -> tuple[int, int] | None:
-    """(slot, fd) of a free slot of a node, now held; None when all are taken."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for slot in range(size):
-        fd = os.open(directory / f"slot-{slot:04d}", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        return slot, fd
-    return None
-
-
-def free_slots(cfg: RunConfig, name: str, size: int) -> int:
-    from regen.leases import path_is_locked
-
-    directory = cfg.layout.node_claims(name)
-    return sum(not path_is_locked(directory / f"slot-{slot:04d}") for slot in range(size))
-
-
 @contextlib.contextmanager
 def claim_node(cfg: RunConfig, shard: int, give_up_after_s: float = 600.0) -> Iterator[RunConfig]:
     """The config of the node this shard generates on, held until the block ends. Waits while
     every answering node is full; NoNodeAnswers when none answers for ``give_up_after_s``."""
+    from regen.budget import SlotBudget
+
     specs = {spec.name: spec for spec in cfg.nodes}
+    claims = {name: SlotBudget(cfg.layout.node_claims(name), spec.max_shards) for name, spec in specs.items()}
     silent_since = time.monotonic()
     while True:
         answering = [name for name in specs if node_answers(cfg.for_node(name))]
@@ -77,20 +57,16 @@ def claim_node(cfg: RunConfig, shard: int, give_up_after_s: float = 600.0) -> It
             raise NoNodeAnswers(f"no node of this run answers ({', '.join(specs)}) for "
                                 f"{give_up_after_s:.0f} s: restart their servers (clear start_servers_NODE) "
                                 f"and retry the shard; finished rows are kept")
-        by_room = sorted(answering, key=lambda n: -free_slots(cfg, n, specs[n].max_shards) / specs[n].max_shards)
+        by_room = sorted(answering, key=lambda n: -claims[n].free() / claims[n].size)
         for name in by_room:
-            held = _try_slot(cfg.layout.node_claims(name), specs[name].max_shards)
-            if held is None:
+            if not claims[name].take(1):
                 continue
-            slot, fd = held
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"shard {shard} pid {os.getpid()}\n".encode(), 0)
-            log.info("shard %d generates on node %s (slot %d of %d)", shard, name, slot + 1,
-                     specs[name].max_shards)
+            log.info("shard %d generates on node %s (%d of its %d shard slots taken)", shard, name,
+                     claims[name].size - claims[name].free(), claims[name].size)
             try:
                 yield cfg.for_node(name)
             finally:
-                os.close(fd)
+                claims[name].close()
             return
         time.sleep(CLAIM_POLL_S)
 
@@ -140,7 +116,7 @@ def node_balance(shards: dict[str, dict]) -> dict[str, Any]:
     spans: dict[str, list[tuple[float, float]]] = {}
     tokens: dict[str, int] = {}
     for s in shards.values():
-        if not s.get("started_at") or not s.get("updated"):
+        if s.get("started_at") is None or s.get("updated") is None:
             continue
         spans.setdefault(s.get("node", "local"), []).append((s["started_at"], s["updated"]))
         tokens[s.get("node", "local")] = tokens.get(s.get("node", "local"), 0) + s.get("tokens", 0)

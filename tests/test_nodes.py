@@ -1,0 +1,63 @@
+"""A run over several nodes without Airflow: the config, where shards go, what the page shows.
+Real simulated servers on loopback, started by regen's server manager for each node."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import free_port_base
+from regen.config import ConfigError, RunConfig
+from regen.nodes import NoNodeAnswers, claim_node, node_balance
+from regen.servers import start_servers, stop_servers
+
+
+def nodes_config(make_config, tmp_path, **extra):
+    nodes = [{"name": name, "queue": f"q-{name}", "base_port": free_port_base(1), "num_servers": 1,
+              "staging_dir": str(tmp_path / f"shm-{name}"), "max_shards": 2} for name in ("a", "b")]
+    return make_config(nodes=nodes, **extra)
+
+
+def test_a_node_overrides_the_run_and_a_bad_node_is_named():
+    cfg = RunConfig(num_servers=3, nodes=[{"name": "a", "num_servers": 1}, {"name": "b"}])
+    assert cfg.for_node("a").num_servers == 1 and cfg.for_node("b").num_servers == 3
+    assert cfg.for_node("a").layout.servers != cfg.for_node("b").layout.servers != cfg.layout.servers
+    with pytest.raises(ConfigError, match=r"nodes: b: extra_server_args: .*'\$\(reboot\)'"):
+        RunConfig.from_mapping({"nodes": [{"name": "a"}, {"name": "b", "extra_server_args": ["$(reboot)"]}]})
+    with pytest.raises(ConfigError, match="each node needs its own name"):
+        RunConfig.from_mapping({"nodes": [{"name": "a"}, {"name": "a"}]})
+    with pytest.raises(ConfigError, match="nodes.0.gpu: unknown field|field 'nodes.0.gpu'"):
+        RunConfig.from_mapping({"nodes": [{"name": "a", "gpu": [0]}]})
+
+
+def test_shards_claim_the_node_with_room_and_never_a_silent_one(make_config, tmp_path):
+    cfg = nodes_config(make_config, tmp_path)
+    a = cfg.for_node("a")
+    start_servers(a, a.model_path)  # node b's servers never started: it does not answer
+    try:
+        with claim_node(cfg, 0) as first, claim_node(cfg, 1) as second:
+            assert first.node == second.node == "a"
+            # Node a's two slots are taken and node b is silent: a third shard waits, then gives up.
+            with pytest.raises(NoNodeAnswers, match="no node of this run answers"):
+                stop_servers(a.layout, every=True)
+                with claim_node(cfg, 2, give_up_after_s=0):
+                    pass
+        b = cfg.for_node("b")
+        start_servers(a, a.model_path)
+        start_servers(b, b.model_path)
+        with claim_node(cfg, 0) as first, claim_node(cfg, 1) as second:
+            assert {first.node, second.node} == {"a", "b"}  # each takes the node with the most room
+    finally:
+        for name in ("a", "b"):
+            stop_servers(cfg.for_node(name).layout, every=True)
+
+
+def test_balance_counts_each_nodes_busy_time_once():
+    shards = {
+        "shard-00000": {"node": "a", "started_at": 0.0, "updated": 10.0, "tokens": 1000},
+        "shard-00001": {"node": "a", "started_at": 5.0, "updated": 20.0, "tokens": 1000},  # overlaps
+        "shard-00002": {"node": "b", "started_at": 0.0, "updated": 20.0, "tokens": 1000},
+    }
+    balance = node_balance(shards)
+    assert balance["nodes"]["a"] == {"tokens": 2000, "busy_s": 20.0, "tokens_per_s": 100.0}
+    assert balance["nodes"]["b"]["tokens_per_s"] == 50.0
+    assert balance["makespan_s"] == 20.0 and balance["ideal_s"] == 20.0  # 3000 tokens at 150 tok/s
