@@ -56,7 +56,7 @@ def cluster(tmp_path_factory):
         AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS="True",
         AIRFLOW__CORE__HOSTNAME_CALLABLE="worker_name.hostname",
         AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT="20",
-        REGEN_CONFIG_DIR=str(deployment(home)), REGEN_SHARD_RETRY_DELAY_S="2",
+        REGEN_CONFIG_DIR=str(deployment(home)),
         REGEN_QUEUE="gpu")
     migrate = subprocess.run([str(BIN / "airflow"), "db", "migrate"], env=env, capture_output=True, text=True)
     assert migrate.returncode == 0, migrate.stderr[-3000:] + migrate.stdout[-2000:]

@@ -625,9 +625,11 @@ def param_schemas(defaults: RunConfig | None = None) -> dict[str, tuple[Any, dic
         if name in NOT_PARAMS:
             continue
         prop = dict(prop)
-        ref = prop.get("items", {}).get("$ref", "")
-        if ref:  # Airflow validates each Param on its own: no shared definitions to point to
-            prop["items"] = schema["$defs"][ref.rsplit("/", 1)[-1]]
+        if "$ref" in prop.get("items", {}):
+            # A list of objects (nodes): the form takes JSON, pydantic checks each field by name
+            # when the run starts; the full object schema, copied into every task's Params, would
+            # cost parse time in every DAG of a deployment.
+            prop["items"] = {"type": "object", "required": ["name"]}
         spec: dict[str, Any] = {}
         variants = prop.pop("anyOf", None)
         if variants:
