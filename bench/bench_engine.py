@@ -7,7 +7,8 @@ client runs in a fresh process and the order of the clients rotates every round,
 unmeasured warm-up round of each. Output tokens per second, as each client measures its own run:
 
 - regen: `regen generate --endpoints URL` (journal, retries, dispatch, Parquet shard); its rate
-  is the shard's, from the first request to the published file;
+  is the shard's tokens over the shard's whole time, from the stage's start (reading the prompts,
+  discovering the server) to the published file;
 - AsyncOpenAI + semaphore: the ten-line script a user writes (openai's client, over httpx2);
 - the engine's own benchmark client (`vllm bench serve`, openai-chat backend, the same questions
   as a ShareGPT file, streaming as it always does);
@@ -129,7 +130,14 @@ def run_client(kind: str, url: str, files: tuple[Path, Path, int], args, round_d
         checked(cmd)
         shard = json.loads((out / "progress.json").read_text())["shards"]["shard-00000"]
         assert shard["done"] == count and shard["failed"] == 0, shard
-        return shard["tokens_per_s"]
+        import pyarrow.parquet as pq
+
+        retried = sum(a > 1 for a in pq.read_table(out / "data", columns=["attempts"])["attempts"].to_pylist())
+        if retried:
+            print(f"regen retried {retried} request(s)", flush=True)
+        # All its tokens over the shard's whole time (from the stage's start, its setup included,
+        # to the published file): no client's measure starts later or ends sooner.
+        return shard["tokens"] / shard["elapsed_s"]
     if kind == "vllm bench serve":
         result = round_dir / "vllm-bench.json"
         cmd = [args.vllm_python, "-c", VLLM_BENCH, "--backend", "openai-chat", "--base-url", url,
@@ -184,6 +192,9 @@ def main() -> None:
     parser.add_argument("--engine", choices=["vllm", "sim"], default="vllm")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--times", type=int, default=2, help="the 280 demo questions, this many times")
+    parser.add_argument("--engine-core", type=int, default=None,
+                        help="vllm: the engine's compute threads on this core alone "
+                        "(VLLM_CPU_OMP_THREADS_BIND), its API server and every client on the others")
     parser.add_argument("--with-httpx", action="store_true",
                         help="also a bare httpx 0.28 client (regen's former transport, the cause probe)")
     parser.add_argument("--concurrency", type=int, default=32)
@@ -212,6 +223,13 @@ def main() -> None:
              "vllm bench serve": "vllm bench serve (the engine's own client)",
              "httpx": "httpx 0.28 AsyncClient + semaphore (regen's former transport)"}
     rates: dict[str, list[float]] = {c: [] for c in clients}
+    pinned = ""
+    if args.engine_core is not None:
+        # On a small machine the engine's OpenMP threads spin at their barriers while a client or
+        # the API server holds their core; one core of its own takes that fight out of the rounds.
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(args.engine_core)
+        os.sched_setaffinity(0, set(range(os.cpu_count())) - {args.engine_core})
+        pinned = f", engine pinned to core {args.engine_core}"
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         files = write_prompts(tmp, args.times)
@@ -249,9 +267,10 @@ def main() -> None:
         f"process. By the medians regen delivers {verdict} (goal: 0.95 or more of each). On 2 cores "
         f"the engine, its API server and the client share the CPU, so rounds vary widely; compare "
         f"medians, and rounds only within a round.")
-    write_section(f"Real engine throughput ({args.engine})",
+    write_section(f"Real engine throughput ({args.engine}{pinned})",
                   f".venv/bin/python bench/bench_engine.py --engine {args.engine} --rounds {args.rounds} "
-                  f"--times {args.times}" + (" --with-httpx" if args.with_httpx else ""), body)
+                  f"--times {args.times}" + (" --with-httpx" if args.with_httpx else "")
+                  + (f" --engine-core {args.engine_core}" if pinned else ""), body)
 
 
 if __name__ == "__main__":
