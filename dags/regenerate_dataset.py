@@ -70,14 +70,9 @@ def _run_id() -> str:
 def preflight(dag_nodes: list[str], params=None) -> list[int]:
     from airflow.configuration import conf
 
-    from regen.config import ConfigError
     from regen.preflight import preflight
 
-    asked = [spec.name for spec in _config(params).nodes]
-    if asked != dag_nodes:  # each node's tasks are routed to its queue when the DAG is parsed
-        raise ConfigError(f"nodes {asked} differ from the nodes this DAG was built for {dag_nodes}: "
-                             f"change the nodes in the deployment's config file, not in the trigger form")
-    return _run(preflight, params, run_id=_run_id(),
+    return _run(preflight, params, run_id=_run_id(), dag_nodes=dag_nodes,
                 max_map_length=conf.getint("core", "max_map_length"))["shards"]
 
 

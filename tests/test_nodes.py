@@ -61,3 +61,13 @@ def test_balance_counts_each_nodes_busy_time_once():
     assert balance["nodes"]["a"] == {"tokens": 2000, "busy_s": 20.0, "tokens_per_s": 100.0}
     assert balance["nodes"]["b"]["tokens_per_s"] == 50.0
     assert balance["makespan_s"] == 20.0 and balance["ideal_s"] == 20.0  # 3000 tokens at 150 tok/s
+
+
+def test_a_trigger_cannot_change_the_dags_nodes(make_config, tmp_path):
+    """Each node's tasks go to its queue when the DAG is parsed: preflight refuses other nodes."""
+    from regen.preflight import PreflightFailed, preflight
+
+    cfg = nodes_config(make_config, tmp_path)
+    with pytest.raises(PreflightFailed, match=r"nodes \['a', 'b'\] differ from the nodes this DAG was built for \['a'\]"):
+        preflight(cfg, code=False, dag_nodes=["a"])
+    assert preflight(cfg, code=False, dag_nodes=["a", "b"])["shards"]

@@ -179,13 +179,14 @@ def cmd_generate(args) -> int:
     # Servers named by URL serve what they report, unless a model directory is named too.
     model_from = "model_path" if (args.config or args.config_json or args.model_path) else "servers"
     shards = [args.shard] if args.shard is not None else list(range(cfg.num_shards))
+    from regen.nodes import generate_shard
+
     for shard in shards:
         if cfg.nodes and not endpoints:  # a run over several nodes: each shard claims one
-            from regen.nodes import generate_shard
-
-            print(generate_shard(cfg, shard, "cli", strict_index=False)["summary"])
-            continue
-        print(run(generate, cfg, shard=shard, endpoints=endpoints, model_from=model_from)["summary"])
+            doc = generate_shard(cfg, shard, "cli", strict_index=False)
+        else:
+            doc = run(generate, cfg, shard=shard, endpoints=endpoints, model_from=model_from)
+        print(doc["summary"])
     return 0
 
 

@@ -92,7 +92,7 @@ def node_view(cfg: RunConfig, progress: dict) -> list[dict[str, Any]]:
     shards = progress.get("shards") or {}
     view = []
     for spec in cfg.node_specs():
-        node_cfg = cfg.for_node(spec.name) if cfg.nodes else cfg
+        node_cfg = cfg.for_node(spec.name)
         mine = {name: s for name, s in shards.items() if s.get("node", "local") == spec.name}
         running = [s for s in mine.values() if s.get("state") == "running"]
         view.append({

@@ -285,8 +285,17 @@ def check_map_length(cfg: RunConfig, report: PreflightReport, max_map_length: in
             f"{max_map_length} shards or raise the setting")
 
 
+def check_nodes(cfg: RunConfig, report: PreflightReport, dag_nodes: list[str] | None) -> None:
+    """Each node's tasks are routed to its queue when the DAG is parsed: a run cannot add,
+    drop or rename nodes from the trigger form."""
+    asked = [spec.name for spec in cfg.nodes]
+    if dag_nodes is not None and asked != dag_nodes:
+        report.problems.append(f"nodes {asked} differ from the nodes this DAG was built for {dag_nodes}: "
+                               f"change the nodes in the deployment's config file, not in the trigger form")
+
+
 def run_preflight(cfg: RunConfig, code: bool = True, max_map_length: int | None = None,
-                  scope: str = "all") -> PreflightReport:
+                  scope: str = "all", dag_nodes: list[str] | None = None) -> PreflightReport:
     """``scope``: "all" (a one-node run), "run" (what every node shares: config, prompts,
     output) or "node" (what each node has: code, engine, model, staging space, ports)."""
     started = time.monotonic()
@@ -295,6 +304,7 @@ def run_preflight(cfg: RunConfig, code: bool = True, max_map_length: int | None 
         report.problems.extend(check_code())
     if scope != "node":
         check_map_length(cfg, report, max_map_length)
+        check_nodes(cfg, report, dag_nodes)
     if scope != "run":
         check_engine(cfg, report)
     if scope != "node":
@@ -321,13 +331,15 @@ def node_preflight(cfg: RunConfig) -> dict:
 
 
 def preflight(cfg: RunConfig, code: bool = True, run_id: str = "cli",
-              max_map_length: int | None = None) -> dict:
+              max_map_length: int | None = None, dag_nodes: list[str] | None = None) -> dict:
     """The preflight stage: every check, here, with this interpreter; PreflightFailed listing
     every problem, else the run manifest written (the prompt index) and the shards to map over.
-    ``max_map_length``: the deployment's limit on mapped tasks (the DAG passes Airflow's)."""
+    ``max_map_length``: the deployment's limit on mapped tasks (the DAG passes Airflow's);
+    ``dag_nodes``: the node names the DAG was built with."""
     from regen.manifest import Manifest
 
-    report = run_preflight(cfg, code=code, max_map_length=max_map_length, scope="run" if cfg.nodes else "all")
+    report = run_preflight(cfg, code=code, max_map_length=max_map_length,
+                           scope="run" if cfg.nodes else "all", dag_nodes=dag_nodes)
     if not report.ok:
         raise PreflightFailed(report.problems)
     from regen.generate import shards_to_run  # only now: the code it is in has just been checked
