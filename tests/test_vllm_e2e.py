@@ -66,6 +66,10 @@ def test_vllm_end_to_end_thinking_on_passes_and_off_fails(airflow_db, vllm_confi
         assert not any(m["content"].startswith("Here is one fact") for m in earlier)  # not the dataset's
     summary = json.loads((Path(cfg.output) / "audit" / "summary.json").read_text())
     assert summary["verdict"] == "PASS"
+    # On the CPU, regen runs vLLM's model inside its engine core, without the worker process that
+    # spins against it (regen.engines.vllm.VLLM.launch_env).
+    server_logs = list(cfg.layout.servers.glob("server-*.log"))
+    assert len(server_logs) == 2 and not any("multiproc_executor" in p.read_text() for p in server_logs)
     (ROOT / "test-artifacts").mkdir(exist_ok=True)
     (ROOT / "test-artifacts" / "vllm-run.json").write_text(json.dumps({
         "rows": len(df), "finish_reasons": df["finish_reason"].value_counts().to_dict(),

@@ -67,6 +67,7 @@ class ServerRecord:
     model_path: str = ""
     model_fingerprint: str | None = None
     served_model: str | None = None  # the name /v1/models gave once the server was healthy
+    env: dict[str, str] | None = None  # the engine's launch environment (a relaunch reuses it)
 
     @property
     def url(self) -> str:
@@ -112,8 +113,10 @@ def build_command(cfg: RunConfig, model_path: str, port: int, api_key: str | Non
     return engine(cfg.engine).launch_argv(cfg, model_path, port, api_key)
 
 
-def server_env(gpu: int | None) -> dict[str, str]:
+def server_env(gpu: int | None, engine_env: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    for name, value in (engine_env or {}).items():
+        env.setdefault(name, value)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -272,7 +275,8 @@ def relaunch(layout: RunLayout, index: int) -> ServerRecord | None:
         if record is None or record.running() or procs.session_pids(record.pid):
             return record
         argv = [record.api_key if arg == KEY_PLACEHOLDER else arg for arg in record.launch or []]
-        proc = procs.spawn(argv, Path(record.log_path), server_env(record.gpu), layout.servers, record.api_key)
+        proc = procs.spawn(argv, Path(record.log_path), server_env(record.gpu, record.env), layout.servers,
+                            record.api_key)
         record.pid, record.start_ticks = proc.pid, procs.start_ticks(proc.pid)
         write_state(layout, records)
         log.info("server %d relaunched: pid %d, port %d", index, proc.pid, record.port)
@@ -336,10 +340,12 @@ def _launch(cfg: RunConfig, layout: RunLayout, model_path: str, fingerprint: str
         for index, gpu, port in to_launch:
             argv = build_command(cfg, model_path, port, api_key)
             log_path = layout.server_log(index)
-            proc = procs.spawn(argv, log_path, server_env(gpu), layout.servers, api_key)
+            env = engine(cfg.engine).launch_env(gpu)
+            proc = procs.spawn(argv, log_path, server_env(gpu, env), layout.servers, api_key)
             record = ServerRecord(index, gpu, cfg.host, port, proc.pid, str(log_path), api_key,
                                   procs.start_ticks(proc.pid), node_name(), run_id,
-                                  launch_args(cfg, model_path, port, api_key), model_path, fingerprint)
+                                  launch_args(cfg, model_path, port, api_key), model_path, fingerprint,
+                                  env=env or None)
             log.info("server %d: pid %d, port %d%s, log %s", index, proc.pid, port,
                      f", GPU {gpu}" if gpu is not None else "", log_path)
             started.append((record, proc))

@@ -46,6 +46,14 @@ class VLLM(Engine):
             argv += ["--speculative-config", json.dumps(spec)]
         return argv + list(cfg.extra_server_args)
 
+    def launch_env(self, gpu: int | None) -> dict[str, str]:
+        """On the CPU, the model runs inside the engine-core process. vLLM's default there is a
+        worker process of its own, and the two wait for each other by spinning on shared memory
+        (``sched_yield`` for a second after every message): on a small machine both cores spin
+        while the HTTP front end and the client wait for CPU, and output stalls for seconds
+        (bench/RESULTS.md, "Real engine throughput")."""
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if gpu is None else {}
+
     def effective_limit(self, info: dict, launch_limit: int | None) -> int | None:
         scheduler = (info.get("vllm_config") or {}) if isinstance(info.get("vllm_config"), dict) else {}
         scheduler = scheduler.get("scheduler_config") or {}
