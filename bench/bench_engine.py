@@ -236,13 +236,13 @@ def main() -> None:
              "vllm bench serve": "vllm bench serve (the engine's own client)",
              "httpx": "httpx 0.28 AsyncClient + semaphore (regen's former transport)"}
     rates: dict[str, list[float]] = {c: [] for c in clients}
-    pinned = ", vLLM's default worker process" if args.vllm_worker_process else ""
+    variant = ", vLLM's default worker process" if args.vllm_worker_process else ""  # the section's name
     if args.engine_core is not None:
         # On a small machine the engine's OpenMP threads spin at their barriers while a client or
         # the API server holds their core; one core of its own takes that fight out of the rounds.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(args.engine_core)
         os.sched_setaffinity(0, set(range(os.cpu_count())) - {args.engine_core})
-        pinned += f", engine pinned to core {args.engine_core}"
+        variant += f", engine pinned to core {args.engine_core}"
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         files = write_prompts(tmp, args.times)
@@ -267,10 +267,10 @@ def main() -> None:
     for kind in clients:
         rows.append(f"| {names[kind]} | {' · '.join(f'{v:,.0f}' for v in rates[kind])} | "
                     f"{median[kind]:,.0f} | {median['regen'] / median[kind]:.2f} | {paired[kind]:.2f} |")
-    engine = ("vLLM 0.32 (vllm-cpu) serving the tiny thinking model, " + (
-        "with vLLM's default worker process beside the engine core" if args.vllm_worker_process
-        else "started as regen starts it (the model inside the engine core)") if args.engine == "vllm"
-              else f"regen's simulator ({args.sim_args})")
+    engine = f"regen's simulator ({args.sim_args})" if args.engine == "sim" else (
+        "vLLM 0.32 (vllm-cpu) serving the tiny thinking model, " + (
+            "with vLLM's default worker process beside the engine core" if args.vllm_worker_process
+            else "started as regen starts it (the model inside the engine core)"))
     verdict = ", ".join(f"{paired[k]:.2f}x {names[k].split(' (')[0]} (median of the round ratios; ratio of "
                         f"medians {median['regen'] / median[k]:.2f}; round by round: "
                         + " · ".join(f"{a / b:.2f}" for a, b in zip(rates["regen"], rates[k])) + ")"
@@ -282,7 +282,7 @@ def main() -> None:
         f"process. By the medians regen delivers {verdict} (goal: 0.95 or more of each). On 2 cores "
         f"the engine, its API server and the client share the CPU, so rounds vary widely; compare "
         f"medians, and rounds only within a round.")
-    write_section(f"Real engine throughput ({args.engine}{pinned})",
+    write_section(f"Real engine throughput ({args.engine}{variant})",
                   f".venv/bin/python bench/bench_engine.py --engine {args.engine} --rounds {args.rounds} "
                   f"--times {args.times}" + (" --with-httpx" if args.with_httpx else "")
                   + (" --vllm-worker-process" if args.vllm_worker_process else "")
