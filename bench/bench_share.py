@@ -16,15 +16,11 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_client import make_prompts, start_sims  # noqa: E402
-from results import write_section  # noqa: E402
+from harness import alternating, make_prompts, simulated_servers, workspace, write_section
 
 SHARDS = 4
 LAUNCH_LIMIT, EFFECTIVE_LIMIT, MARGIN = 64, 16, 4
@@ -78,29 +74,18 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2400)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    from regen.tinymodel import build_tiny_model
-
     arrangements = {"one shard at a time": one_at_a_time, f"{SHARDS} shards at once": all_at_once}
     results: dict[str, list[tuple[float, int]]] = {name: [] for name in arrangements}
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        model = build_tiny_model(tmp / "model")
+    with workspace() as (tmp, model):
         prompts = tmp / "prompts.jsonl"
         make_prompts(prompts, args.prompts)
-        sims, urls = start_sims(model, {39401: SIM, 39402: SIM})
-        try:
-            for r in range(args.rounds):
-                names = list(arrangements) if r % 2 == 0 else list(arrangements)[::-1]
-                for name in names:
-                    out = tmp / f"{r}-{name.replace(' ', '-')}"
-                    seconds = arrangements[name](prompts, out, urls)
-                    results[name].append((seconds, tokens_of(out, args.prompts)))
-                    print(f"round {r}: {name}: {seconds:.1f} s", flush=True)
+        with simulated_servers(model, {39401: SIM, 39402: SIM}) as urls:
+            for r, name in alternating(list(arrangements), args.rounds):
+                out = tmp / f"{r}-{name.replace(' ', '-')}"
+                seconds = arrangements[name](prompts, out, urls)
+                results[name].append((seconds, tokens_of(out, args.prompts)))
+                print(f"round {r}: {name}: {seconds:.1f} s", flush=True)
             most = peak(urls)
-        finally:
-            for proc in sims:
-                proc.terminate()
-                proc.wait()
     tokens = {t for runs in results.values() for _, t in runs}
     assert len(tokens) == 1, tokens  # the same work every time
     tokens = tokens.pop()

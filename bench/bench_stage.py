@@ -16,15 +16,13 @@ import shlex
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import write_section  # noqa: E402
+from harness import write_section
 
-from regen.stage import stage_model  # noqa: E402
+from regen.weights import stage_model
 
 
 def make_model(path: Path, shards: int, shard_mb: int) -> int:

@@ -5,10 +5,9 @@ fails to import, naming each broken file and field, so that Airflow lists them w
 (or marking stale) the DAGs of the valid files. It defines no DAG.
 """
 
-from regen.deployment import run_definitions
+from regen.config import ConfigError
+from regen.dags.definitions import run_definitions
 
 _problems = run_definitions()[1]
 if _problems:
-    from regen.config import ConfigError
-
     raise ConfigError("regen: broken run configs, their DAGs are not defined:\n" + "\n".join(_problems))

@@ -8,15 +8,15 @@ server per GPU. One run = one regeneration:
 for a person's approval) → `generate` × shards → `audit`,
 with `stop_servers` (teardown) as soon as generation ends, whether the shards succeeded or not,
 so no GPU idles through the audit. A run over several GPU nodes (`nodes`) has each node's
-`preflight_NODE` → `stage_weights_NODE` → `start_servers_NODE` … `stop_servers_NODE` on its
-queue, all nodes at once; each shard claims the node with free capacity when it starts.
+`stage_weights_NODE` (the node's own checks first) → `start_servers_NODE` … `stop_servers_NODE`
+on its queue, all nodes at once; each shard claims the node with free capacity when it starts.
 
 Nothing that costs GPU time starts before `preflight` has compiled the code, validated the config,
 the prompts and the chat template. Clearing a failed shard resumes it where it stopped.
 Outputs: `OUTPUT/data/*.parquet`, `OUTPUT/progress.json`, `OUTPUT/audit/report.html`.
 
-The DAG only wires tasks; each task runs one stage function of the `regen` package
-(`include/regen`), named in the task, through `regen.pipeline.run` (here, or on the SSH node).
+The DAG only wires tasks; each task is one call of `regen.pipeline.run` with a stage's name
+(`regen.stages`), which decides where the stage runs (here, its node, its SSH connection).
 """
 
 from __future__ import annotations
@@ -26,90 +26,57 @@ from datetime import datetime, timedelta
 from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk import Asset, AssetAlias, AssetAny, Param, dag, get_current_context, task
 
-from regen import deployment
-from regen.alerts import notifier
-from regen.config import param_schemas
+from regen.dags.definitions import RunDefinition, queue, run_definitions, shard_pool, shard_retries
+from regen.dags.notify import AlertNotifier
+from regen.dags.params import param_schemas
 
 # Every finished dataset is announced under one alias: a training DAG schedules on
 # AssetAlias("regen_dataset"); each event names the dataset's own Asset (its data/ folder) and
 # carries its row count and audit verdict. A DAG from a deployment's config file also announces
 # its own Asset, named `regenerate_NAME` (URI `regen://regenerate_NAME`), with the same extra.
 DATASET = AssetAlias("regen_dataset")
-QUEUE = deployment.queue()
-SHARD_POOL = deployment.shard_pool()
-SHARD_RETRIES, SHARD_RETRY_DELAY_S = deployment.shard_retries()
+QUEUE = queue()
+SHARD_POOL = shard_pool()
+SHARD_RETRIES, SHARD_RETRY_DELAY_S = shard_retries()
 
 
-def _config(params):
+def _run(name: str, params, **kwargs):
+    """The stage ``name`` of this run, where regen.pipeline places it; owned by this DAG run
+    (its servers), whoever clears or retries it. Imported here: nothing heavy at parse time."""
     from regen.config import RunConfig
-
-    return RunConfig.from_mapping(dict(params), source="params")
-
-
-def _run(stage, params, node: str | None = None, **kwargs) -> dict:
-    """Run one stage (a function of the regen package) here or on the run's SSH node; ``node``:
-    for that node of a run over several."""
     from regen.pipeline import run
 
-    cfg = _config(params)
-    return run(stage, cfg.for_node(node) if node else cfg, **kwargs)
-
-
-def _nodes(params) -> list[str | None]:
-    """The nodes the per-node stages run for: each of ``nodes``, or the one node (None)."""
-    return [spec.name for spec in _config(params).nodes] or [None]
-
-
-def _run_id() -> str:
-    """Who owns what a run starts (its servers): this DAG run, whoever clears or retries it."""
     context = get_current_context()
-    return f"{context['dag'].dag_id}/{context['run_id']}"
+    return run(name, RunConfig.from_mapping(dict(params), source="params"),
+               run_id=f"{context['dag'].dag_id}/{context['run_id']}", **kwargs)
 
 
 @task(retries=0)
 def preflight(dag_nodes: list[str], params=None) -> list[int]:
     from airflow.configuration import conf
 
-    from regen.preflight import preflight
-
-    return _run(preflight, params, run_id=_run_id(), dag_nodes=dag_nodes,
-                max_map_length=conf.getint("core", "max_map_length"))["shards"]
-
-
-@task(retries=0)
-def node_preflight(shards: list[int], node: str, params=None) -> list[int]:
-    from regen.preflight import node_preflight
-
-    _run(node_preflight, params, node=node)
-    return shards
+    return _run("preflight", params, dag_nodes=dag_nodes,
+                max_map_length=conf.getint("core", "max_map_length")).shards
 
 
 @task(retries=1, retry_delay=timedelta(seconds=10))
-def stage_weights(shards: list[int], node: str | None = None, params=None) -> str:
+def stage_weights(shards: list[int], node: str, params=None) -> str:
     from airflow.exceptions import AirflowSkipException
-
-    from regen.stage import stage_weights
 
     if not shards:  # a scheduled run with nothing new: no weights, no servers, no requests
         raise AirflowSkipException("the dataset is up to date (see preflight); nothing to regenerate")
-    return _run(stage_weights, params, node=node)["path"]
+    return _run("stage_weights", params, node=node).path
 
 
 @task(retries=0)
-def start_servers(served_model_path: str, node: str | None = None, params=None) -> list[str]:
-    from regen.servers import serve
-
-    return _run(serve, params, node=node, served_model_path=served_model_path, run_id=_run_id())["urls"]
+def start_servers(served_model_path: str, node: str, params=None) -> list[str]:
+    return _run("start_servers", params, node=node, served_model_path=served_model_path).urls
 
 
 @task(retries=0)
 def canary(params=None) -> dict:
     """The canary on every node: a misconfigured node fails the run before the shards start."""
-    from regen.canary import canary
-
-    results = [_run(canary, params, node=node, run_id=_run_id()) for node in _nodes(params)]
-    return {"estimate": {"text": "; ".join(r["estimate"]["text"] for r in results)},
-            "examples": [e for r in results for e in r["examples"]]}
+    return _run("canary", params).model_dump(mode="json")
 
 
 @task.branch(retries=0)
@@ -133,42 +100,31 @@ Approve to start the shards; reject to stop the run here (its servers are stoppe
 @task(retries=SHARD_RETRIES, retry_delay=timedelta(seconds=SHARD_RETRY_DELAY_S), map_index_template="{{ shard_label }}",
       pool=SHARD_POOL, trigger_rule="none_failed_min_one_success")  # straight from the gate, or approved
 def generate(shard: int, params=None) -> str:
-    from regen.nodes import generate_shard
-
     get_current_context()["shard_label"] = f"shard {shard}/{params['num_shards']}"
-    return generate_shard(_config(params), shard, _run_id())["summary"]
+    return _run("generate", params, shard=shard, strict_index=True).summary
 
 
 @task(retries=0)
 def audit(params=None) -> dict:
-    from regen.audit import audit
-    from regen.servers import stop
-
-    cfg = _config(params)
-    # Generation is over: this run's servers go, also when a shard brought them up itself after
-    # the teardown had run (a run cleared with "only failed" does not run the teardown again).
-    # Over several nodes shards never start servers, and each node's teardown runs on that node.
-    if not cfg.nodes:
-        _run(stop, params, run_id=_run_id())
-    summary = _run(audit, params)
-    extra = {"rows": summary["samples"], "verdict": summary["verdict"],
-             "degenerate_fraction": summary["degenerate_fraction"], "output": cfg.output}
-    events = get_current_context()["outlet_events"]
-    events[DATASET].add(Asset(f"file://{cfg.ssh_conn_id or ''}{cfg.output}/data"), extra=extra)
-    for outlet in get_current_context()["task"].outlets:
+    """After the run's own servers are stopped (regen.pipeline), the audit; its verdict goes out
+    with the dataset's Asset."""
+    result = _run("audit", params)
+    extra = {"rows": result.samples, "verdict": result.verdict,
+             "degenerate_fraction": result.degenerate_fraction, "output": result.output}
+    context = get_current_context()
+    context["outlet_events"][DATASET].add(Asset(result.dataset_uri), extra=extra)
+    for outlet in context["task"].outlets:
         if isinstance(outlet, Asset):
-            events[outlet].extra = extra
-    return summary
+            context["outlet_events"][outlet].extra = extra
+    return result.model_dump(mode="json")
 
 
 @task(retries=1, retry_delay=timedelta(seconds=5))
-def stop_servers(node: str | None = None, params=None) -> int:
-    from regen.servers import stop
-
-    return _run(stop, params, node=node, run_id=_run_id())["stopped"]
+def stop_servers(node: str, params=None) -> int:
+    return _run("stop_servers", params, node=node).stopped
 
 
-def regeneration_dag(run: deployment.RunDefinition):
+def regeneration_dag(run: RunDefinition):
     """One regeneration DAG: the same tasks whatever the deployment; its own defaults,
     schedule and dataset."""
     schedule = AssetAny(*(Asset(uri) for uri in run.schedule)) if isinstance(run.schedule, list) else run.schedule
@@ -184,23 +140,18 @@ def regeneration_dag(run: deployment.RunDefinition):
         params={name: Param(default, **schema) for name, (default, schema) in param_schemas(run.config).items()},
         doc_md=__doc__ + (f"\n\nDefaults and schedule from `{run.source}`." if run.source else ""),
         tags=["regen", "llm-data"],
-        default_args={"on_failure_callback": [notifier()], "queue": QUEUE},
+        default_args={"on_failure_callback": [AlertNotifier()], "queue": QUEUE},
     )
     def regenerate():
         shards = preflight([spec.name for spec in run.config.nodes])
         generated = generate.expand(shard=shards)
         checked = canary()
-        if not run.config.nodes:  # one node: its tasks under their plain names
-            servers = start_servers(stage_weights(shards))
-            servers >> checked
-            generated >> stop_servers().as_teardown(setups=servers)
-        for spec in run.config.nodes:  # several: each node's own, on its own queue, all at once
+        for spec in run.config.node_specs():  # each node's own tasks, on its queue, all at once
             on_node = {"queue": spec.queue or QUEUE}
-            ready = node_preflight.override(task_id=f"preflight_{spec.name}", **on_node)(shards, spec.name)
-            model = stage_weights.override(task_id=f"stage_weights_{spec.name}", **on_node)(ready, spec.name)
-            servers = start_servers.override(task_id=f"start_servers_{spec.name}", **on_node)(model, spec.name)
+            model = stage_weights.override(task_id=spec.task_id("stage_weights"), **on_node)(shards, spec.name)
+            servers = start_servers.override(task_id=spec.task_id("start_servers"), **on_node)(model, spec.name)
             servers >> checked
-            generated >> stop_servers.override(task_id=f"stop_servers_{spec.name}", **on_node)(
+            generated >> stop_servers.override(task_id=spec.task_id("stop_servers"), **on_node)(
                 spec.name).as_teardown(setups=servers)
         gate = approval_gate()
         approve = ApprovalOperator(task_id="approve", subject="regen: start generating {{ dag_run.dag_id }}?",
@@ -212,5 +163,5 @@ def regeneration_dag(run: deployment.RunDefinition):
 
 
 # Broken config files are reported by regen_config_errors.py, so that they never hide these.
-for _run_definition in deployment.run_definitions()[0]:
+for _run_definition in run_definitions()[0]:
     globals()[_run_definition.dag_id] = regeneration_dag(_run_definition)

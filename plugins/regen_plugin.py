@@ -1,13 +1,13 @@
 """Airflow plugin: the regen run page, as an external view on every dag run.
 
-The page itself (and its access check) lives in the regen package: regen.web.
+The page itself (and its access check) lives in the regen package: regen.dags.runpage.
 """
 
 from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
 
-from regen.web import create_app
+from regen.dags.runpage import create_app
 
 
 class RegenPlugin(AirflowPlugin):

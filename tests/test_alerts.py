@@ -8,7 +8,8 @@ import time
 import pytest
 
 from regen.alerts import check_overdue, send
-from regen.config import ConfigError, schedule_spec
+from regen.config import ConfigError
+from regen.dags.schedule import schedule_spec
 from regen.progress import RunProgress
 
 
@@ -29,7 +30,7 @@ def test_a_malformed_asset_schedule_is_refused():
 def test_the_dag_takes_its_schedule_from_the_environment(monkeypatch):
     import runpy
 
-    from conftest import ROOT
+    from support.paths import ROOT
 
     monkeypatch.setenv("REGEN_SCHEDULE", "asset:file:///data/prompts.jsonl|asset:s3://ckpt/latest")
     dag = runpy.run_path(str(ROOT / "dags" / "regenerate_dataset.py"))["regenerate_dataset"]

@@ -7,34 +7,15 @@ import re
 import subprocess
 
 import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
-from conftest import BIN, ROOT
-from regen.audit import AuditThresholds, audit_dataset
-from regen.chat import QWEN, load_tokenizer, loss_masks, render, training_messages
-from regen.store import ROW_SCHEMA
-
-QUESTION = [{"role": "user", "content": "Reply with OK."}]
-
-
-def row(i, reasoning="Let me think about this step by step. " * 6, content="The answer is 4.",
-        finish="stop", error=None, thinking=True, messages=QUESTION, completion=60, rid=None):
-    return {"id": rid or f"s{i}", "messages": messages, "reasoning_content": reasoning,
-            "content": content, "finish_reason": finish, "prompt_tokens": 10,
-            "completion_tokens": completion, "error": error, "enable_thinking": thinking,
-            "model": "m", "server": "http://s", "attempts": 1, "latency_s": 1.0,
-            "settings_hash": "x"}
-
-
-def write_dataset(path, rows, files=2):
-    path.mkdir(parents=True)
-    for f in range(files):
-        part = rows[f::files]
-        pq.write_table(pa.Table.from_pylist(part, schema=ROW_SCHEMA), path / f"shard-{f}.parquet")
-    return path
-
+from regen.audit.dataset import audit_dataset
+from regen.audit.findings import AuditThresholds
+from regen.chat.loss import loss_masks
+from regen.chat.render import load_tokenizer, render, training_messages
+from regen.chat.templates import QWEN
+from support.data import QUESTION, row, write_dataset
+from support.paths import BIN, ROOT
 
 # SpecForge's own pattern for an assistant span: header, then lazily up to the end of turn or text.
 SPECFORGE_SPAN = re.compile(re.escape(QWEN.assistant_header) + r"([\s\S]*?(?:"
@@ -92,8 +73,8 @@ def test_mask_matches_the_slow_reference_token_by_token(which, qwen3_tokenizer_d
 
 def demo_samples():
     """The demo prompts with the simulator's answers: realistic shapes, 280 of them."""
+    from regen.engines.simulator.text import compose
     from regen.prompts import Prompt, read_prompts
-    from regen.sim import compose
 
     out = []
     for prompt in read_prompts(ROOT / "demo" / "prompts.jsonl"):
@@ -187,7 +168,8 @@ def test_audit_of_an_empty_directory_is_a_clear_error(tmp_path, tiny_model):
 
 @pytest.mark.parametrize("which", ["qwen3", "tiny"])
 def test_piece_counts_equal_the_reference_and_are_used(which, qwen3_tokenizer_dir, tiny_model):
-    from regen.chat import PieceCounter, loss_token_counts
+    from regen.chat.loss import loss_token_counts
+    from regen.chat.pieces import PieceCounter
 
     tok = load_tokenizer(str(qwen3_tokenizer_dir if which == "qwen3" else tiny_model))
     counter = PieceCounter.for_tokenizer(tok)
@@ -202,7 +184,8 @@ def test_piece_counts_equal_the_reference_and_are_used(which, qwen3_tokenizer_di
 
 
 def test_text_that_nfc_would_change_falls_back_to_encoding(qwen3_tokenizer_dir):
-    from regen.chat import PieceCounter, loss_token_counts
+    from regen.chat.loss import loss_token_counts
+    from regen.chat.pieces import PieceCounter
 
     tok = load_tokenizer(str(qwen3_tokenizer_dir))
     decomposed = "Cafe\u0301 and re\u0301sume\u0301"  # NFD: the tokenizer normalises it first

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from regen.canary import CanaryFailed, canary
+from regen.canary import CanaryFailed, probe
 
 
 def test_a_healthy_canary_passes_and_estimates_the_run(sim_servers):
     cfg, records = sim_servers(num_servers=2, sim_tokens_per_second=500)
-    estimate = canary(cfg)["estimate"]
+    estimate = probe(cfg).estimate
     assert estimate["prompts"] == 280
     assert estimate["text"].startswith("280 prompts, about ")
     assert "tok/s" in estimate["text"]
@@ -24,7 +24,7 @@ def test_a_healthy_canary_passes_and_estimates_the_run(sim_servers):
 def test_answers_cut_at_max_tokens_fail_the_canary_with_a_sample(sim_servers):
     cfg, records = sim_servers(num_servers=1, max_tokens=20, min_loss_tokens=4)
     with pytest.raises(CanaryFailed) as err:
-        canary(cfg)
+        probe(cfg)
     message = str(err.value)
     assert "answers hit max_tokens 20" in message
     assert "answers are empty" in message  # cut inside the thinking: no answer at all
@@ -34,12 +34,12 @@ def test_answers_cut_at_max_tokens_fail_the_canary_with_a_sample(sim_servers):
 def test_servers_without_thinking_fail_naming_the_reason(sim_servers):
     cfg, records = sim_servers(num_servers=1, sim_ignore_thinking=True)
     with pytest.raises(CanaryFailed, match="without reasoning while enable_thinking is on"):
-        canary(cfg)
+        probe(cfg)
 
 
 def test_thinking_off_on_purpose_is_judged_by_the_loss_mask_only(sim_servers):
     cfg, records = sim_servers(num_servers=1, enable_thinking=False, min_loss_tokens=4)
-    assert canary(cfg)["estimate"]["prompts"] == 280
+    assert probe(cfg).estimate["prompts"] == 280
 
 
 def test_the_estimate_accounts_for_batching_and_holds_on_the_run(sim_servers, tmp_path):
@@ -50,7 +50,7 @@ def test_the_estimate_accounts_for_batching_and_holds_on_the_run(sim_servers, tm
 
     cfg, records = sim_servers(num_servers=2, sim_tokens_per_second=300, concurrency_per_server=None,
                                extra_server_args=["--sim-batch-slowdown", "0.08", "--max-running-requests", "8"])
-    estimate = canary(cfg)["estimate"]
+    estimate = probe(cfg).estimate
     assert estimate["batch_slowdown"] > 0.02, estimate
     fresh = cfg.model_copy(update={"output": str(tmp_path / "run"), "num_shards": 1})
     result = ShardRun(fresh, [(r.url, r.api_key) for r in records], 0, "m").run()

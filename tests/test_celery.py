@@ -22,13 +22,15 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import (BIN, ROOT, AirflowProcesses, airflow_env, free_port_base, read_ids,
-                      trigger_run, wait_run, wait_until)
+from regen.files import read_json
 from regen.layout import shard_name
-from regen.nodes import node_balance
-from regen.progress import progress, read_json
-from regen.servers import read_state
+from regen.servers.records import read_state
+from regen.status import node_balance, run_status
 from regen.store import Journal
+from support.airflow import AirflowProcesses, airflow_env, trigger_run, wait_run
+from support.data import read_ids
+from support.paths import BIN, ROOT
+from support.processes import free_port_base, wait_until
 
 PG = "postgresql+psycopg2://postgres@127.0.0.1:5432"
 
@@ -127,7 +129,7 @@ def test_two_nodes_split_the_work_by_capacity(cluster, make_config, tmp_path):
     balance = node_balance(json.loads((Path(cfg.output) / "progress.json").read_text())["shards"])
     assert balance["makespan_s"] <= 1.15 * balance["ideal_s"], balance
     # One run page: both nodes, their servers (stopped by now) and their shards.
-    view = {n["node"]: n for n in progress(cfg)["nodes"]}
+    view = {n["node"]: n for n in run_status(cfg).nodes}
     assert view["a"]["shards_done"] + view["b"]["shards_done"] == 24
     assert view["a"]["reached_by"] == "queue node-a" and view["a"]["shards_done"] > view["b"]["shards_done"]
 

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import BIN, ROOT
+from support.paths import BIN, ROOT
 
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yaml").read_text())
 SERVICES = COMPOSE["services"]
@@ -65,7 +65,7 @@ def test_every_airflow_setting_exists_and_every_regen_setting_is_read():
     from airflow.configuration import conf
 
     known = conf.configuration_description  # Airflow's and its providers' (celery.*) options
-    project = "".join(p.read_text() for p in [*(ROOT / "include" / "regen").glob("*.py"),
+    project = "".join(p.read_text() for p in [*(ROOT / "include" / "regen").rglob("*.py"),
                                               *(ROOT / "dags").glob("*.py")])
     for name in AIRFLOW_SERVICES:
         for key in SERVICES[name]["environment"]:
@@ -111,7 +111,7 @@ def test_two_gpu_nodes_one_run_over_both():
     servers' keys are on the volume every worker mounts."""
     from pathlib import Path
 
-    from regen.deployment import configured_file
+    from regen.dags.definitions import configured_file
 
     run = configured_file(ROOT / "deploy" / "two_nodes.yaml")
     env = SERVICES["airflow-gpu-worker"]["environment"]

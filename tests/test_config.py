@@ -5,9 +5,10 @@ from __future__ import annotations
 import jsonschema
 import pytest
 
-from conftest import ROOT
 from regen.cli import build_parser, load_config
-from regen.config import ConfigError, RunConfig, param_schemas
+from regen.config import ConfigError, RunConfig
+from regen.dags.params import param_schemas
+from support.paths import ROOT
 
 
 def test_demo_config_loads_with_paths_relative_to_the_file():
@@ -71,9 +72,9 @@ def test_cli_flags_override_the_yaml_with_the_same_names():
         "--speculative-algorithm", "NEXTN",
     ])
     cfg = load_config(args)
-    assert cfg.max_tokens == 77
+    assert cfg.sampling.max_tokens == 77
     assert cfg.enable_thinking is False
-    assert cfg.gpus == [0, 3]
-    assert cfg.extra_server_args == ["--tp-size", "2"]
-    assert cfg.speculative_algorithm == "NEXTN"
-    assert cfg.num_shards == 4  # from the YAML
+    assert cfg.servers.gpus == [0, 3]
+    assert cfg.servers.extra_server_args == ["--tp-size", "2"]
+    assert cfg.engine_options.speculative_algorithm == "NEXTN"
+    assert cfg.generation.num_shards == 4  # from the YAML

@@ -14,12 +14,11 @@ import subprocess
 import httpx
 import msgspec
 
-from conftest import ROOT
 from regen.client import Generator, Request
 from regen.dispatch import ClientTuning, Endpoint
 from regen.engines import engine
-from test_sglang_args import SGLANG_PYTHON
-from test_vllm_e2e import VLLM_PYTHON
+from support.engines import SGLANG_PYTHON, VLLM_PYTHON
+from support.paths import ROOT
 
 CONTRACT = ROOT / "tests" / "fixtures" / "engine_contract.py"
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"},

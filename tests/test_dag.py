@@ -12,20 +12,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import ROOT, processes_with_args, read_ids
 from regen.layout import RunLayout
-from regen.servers import port_is_free, read_state
+from regen.servers.records import read_state
+from support.airflow import _conf, _states, assert_no_server_left, asset_events, load_dag
+from support.data import read_ids
+from support.paths import DAG_FILE, ROOT
 
-DAG_FILE = ROOT / "dags" / "regenerate_dataset.py"
 HEAVY = ("pandas", "pyarrow", "transformers", "tokenizers", "httpx", "matplotlib", "numpy")
-
-
-def load_dag():
-    from airflow.dag_processing.dagbag import DagBag
-
-    bag = DagBag(dag_folder=str(DAG_FILE))
-    assert bag.import_errors == {}
-    return bag.dags["regenerate_dataset"]
 
 
 @pytest.mark.parametrize("configs", [0, 20])
@@ -90,11 +83,12 @@ def test_stages_are_wired_in_order_with_a_teardown():
 
 
 def test_every_config_field_is_a_param_with_a_valid_default():
-    from regen.config import NOT_PARAMS, RunConfig
+    from regen.config import run_fields
+    from regen.dags.params import NOT_PARAMS
 
     dag = load_dag()
     params = dag.params
-    assert set(params.keys()) == set(RunConfig.model_fields) - NOT_PARAMS
+    assert set(params.keys()) == set(run_fields()) - NOT_PARAMS
     for name in params.keys():
         param = params.get_param(name)
         param.resolve()  # validates the default against the JSON schema
@@ -114,37 +108,6 @@ def test_invalid_params_are_refused_with_the_field_named(airflow_db, conf, field
     with pytest.raises(ParamValidationError) as err:
         dag.test(run_conf=conf)
     assert field in str(err.value)
-
-
-def _conf(cfg) -> dict:
-    return json.loads(cfg.model_dump_json())
-
-
-def _states(run) -> dict[str, list[str]]:
-    states: dict[str, list[str]] = {}
-    for ti in run.get_task_instances():
-        states.setdefault(ti.task_id, []).append(str(ti.state))
-    return states
-
-
-def asset_events(uri: str) -> list[dict]:
-    """The extras of the asset events recorded in the metadata DB for ``uri``."""
-    from airflow.models.asset import AssetEvent, AssetModel
-    from airflow.utils.session import create_session
-    from sqlalchemy import select
-
-    with create_session() as session:
-        rows = session.execute(select(AssetEvent.extra).join(AssetModel, AssetEvent.asset_id == AssetModel.id)
-                               .where(AssetModel.uri == uri)).all()
-    return [row[0] for row in rows]
-
-
-def assert_no_server_left(cfg) -> None:
-    """No process serving any of the run's ports, and every port free."""
-    for i in range(cfg.num_servers):
-        port = cfg.base_port + i
-        assert processes_with_args("--port", str(port)) == [], f"a server on port {port} is alive"
-        assert port_is_free(cfg.host, port), f"port {port} still bound"
 
 
 @pytest.mark.slow
@@ -185,7 +148,7 @@ def test_servers_without_thinking_fail_the_canary_and_teardown_still_stops_them(
     assert all(s in ("upstream_failed", "None") for s in states.get("generate", ["upstream_failed"]))
     assert not (ROOT / cfg.output / "data").exists()
     logs = sorted((ROOT / cfg.output / "work" / "servers").glob("server-*.log"))
-    assert len(logs) == cfg.num_servers  # they did start, and were stopped:
+    assert len(logs) == cfg.servers.num_servers  # they did start, and were stopped:
     assert_no_server_left(cfg)
     assert not (ROOT / state_file).exists()
     alerts = [json.loads(line) for line in (tmp_path / "alerts.jsonl").read_text().splitlines()]
@@ -202,7 +165,7 @@ def test_thinking_lost_after_the_canary_fails_the_run_at_the_audit(airflow_db, m
     states = _states(run)
     assert run.state == "failed"
     assert states["canary"] == ["success"]
-    assert states["generate"] == ["success"] * cfg.num_shards
+    assert states["generate"] == ["success"] * cfg.generation.num_shards
     assert states["audit"] == ["failed"]
     assert states["stop_servers"] == ["success"]
     summary = json.loads((ROOT / cfg.output / "audit" / "summary.json").read_text())
@@ -242,7 +205,7 @@ def test_the_api_key_is_in_no_log_and_no_file_regen_writes(airflow_db, make_conf
     """SGLang (and the simulator, as SGLang does) logs its arguments, API key included: after a
     whole run and after a failed server start, neither the task logs nor any file under the
     output holds the key; the server logs hold the redaction mark instead."""
-    from regen.servers import ServerError, start_servers
+    from regen.servers.lifecycle import ServerError, start_servers
 
     monkeypatch.setenv("REGEN_KEY_DIR", str(tmp_path / "keys"))
     key = "regen-test-key-" + "k3y" * 8

@@ -10,9 +10,12 @@ import httpx
 import pytest
 import yaml
 
-from conftest import ROOT, airflow_standalone, read_ids, wait_until
 from regen.layout import RunLayout
-from regen.servers import read_state
+from regen.servers.records import read_state
+from support.airflow import airflow_standalone
+from support.data import read_ids
+from support.paths import ROOT
+from support.processes import wait_until
 
 DAGS = ROOT / "dags"
 
@@ -65,7 +68,7 @@ def test_without_the_folder_there_is_the_demo_dag_only(monkeypatch):
 
 def test_config_files_resolve_paths_against_their_folder_and_refuse_bad_names(tmp_path):
     from regen.config import ConfigError
-    from regen.deployment import configured_file
+    from regen.dags.definitions import configured_file
 
     (tmp_path / "nightly.yaml").write_text("prompts: data/prompts.jsonl\noutput: out\nschedule: '@daily'\n")
     run = configured_file(tmp_path / "nightly.yaml")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-from conftest import BIN
-from test_audit import row, write_dataset
+from support.data import row, write_dataset
+from support.paths import BIN
 
 
 def assert_specforge_valid(path, expect_reasoning=True):

@@ -11,12 +11,16 @@ import httpx
 import pandas as pd
 import pytest
 
-from conftest import BIN, ROOT, read_ids, turn_requests, wait_until
-from regen.dispatch import ClientTuning, ShardFailed
 from regen.config import RunConfig
+from regen.dispatch import ClientTuning
+from regen.errors import ShardFailed
 from regen.generate import ShardRun
 from regen.layout import shard_name
 from regen.store import Journal, ShardStore
+from support.data import read_ids, turn_requests
+from support.engines import sim_requests_total, sim_running
+from support.paths import BIN, ROOT
+from support.processes import wait_until
 
 PROMPTS = ROOT / "demo" / "prompts.jsonl"
 FAST = ClientTuning(retry_backoff_s=0.02, retry_backoff_max_s=0.2, probe_interval_s=0.1,
@@ -42,18 +46,6 @@ def subset(tmp_path, count, extra=()):
     path = tmp_path / f"prompts-{count}.jsonl"
     path.write_text("\n".join([*lines, *extra]) + "\n")
     return path
-
-
-def sim_requests_total(url: str) -> int:
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("sglang:num_requests_total"):
-            return int(float(line.rsplit(" ", 1)[1]))
-    raise AssertionError("no sglang:num_requests_total")
-
-
-def sim_running(url: str) -> int:
-    """Requests the simulator has received and not answered yet (queued, prefilling, decoding)."""
-    return httpx.get(f"{url}/server_info").json()["internal_states"][0]["sim_requests_in_flight"]
 
 
 def test_shards_write_every_id_once_with_the_design_columns(sim_servers, tmp_path):

@@ -15,35 +15,20 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import BIN, ROOT, turn_requests, wait_until
-from regen.audit import AuditThresholds, audit_dataset
-from regen.dispatch import ClientTuning, ShardFailed
-from regen.generate import ShardRun, generate
+from regen.audit.dataset import audit_dataset
+from regen.audit.findings import AuditThresholds
+from regen.errors import ShardFailed
+from regen.generate import ShardRun
 from regen.layout import RunLayout
-from regen.manifest import Manifest, ManifestError, settings_hash
+from regen.manifest import Manifest, ManifestError, model_fingerprint, settings_hash
 from regen.pipeline import run
-from regen.preflight import PreflightFailed, preflight
-from regen.servers import ServerError, read_state, serve, start_servers, stop, stop_records
-from regen.stage import model_fingerprint, stage_weights
+from regen.preflight import PreflightFailed
+from regen.servers.lifecycle import ServerError, start_servers, stop_records
+from regen.servers.records import read_state
 from regen.store import Journal
-from test_generate import sim_requests_total, sim_running
-
-FAST = ClientTuning(retry_backoff_s=0.02, retry_backoff_max_s=0.2, probe_interval_s=0.1,
-                    progress_interval_s=0.5, all_down_timeout_s=10)
-DEMO = [json.loads(line) for line in (ROOT / "demo" / "prompts.jsonl").read_text().splitlines()]
-
-
-def write_prompts(path: Path, count: int, drop=(), edit=()) -> Path:
-    """``count`` prompts with ids p0..; ``drop`` leaves ids out, ``edit`` changes their text."""
-    with path.open("w") as fh:
-        for i in range(count):
-            if i in drop:
-                continue
-            record = dict(DEMO[i % len(DEMO)], id=f"p{i}")
-            if i in edit:
-                record = {"id": f"p{i}", "prompt": f"An edited question, number {i}?"}
-            fh.write(json.dumps(record) + "\n")
-    return path
+from support.data import FAST, cli, settle, turn_requests, write_prompts
+from support.engines import sim_requests_total
+from support.processes import wait_until
 
 
 def requests_total(records) -> int:
@@ -82,16 +67,6 @@ def kill_when(proc: subprocess.Popen, output: Path, rows: int) -> set[str]:
     return rows_written(output)
 
 
-def cli(*args: str) -> list[str]:
-    return [str(BIN / "regen"), "--no-progress-bar", "generate", *args]
-
-
-def settle(records) -> None:
-    """Requests in flight at a kill finish on the servers before anything is counted."""
-    for r in records:
-        wait_until(lambda: sim_running(r.url) == 0, 30, "servers idle")
-
-
 def test_rows_of_other_settings_in_the_journal_are_regenerated_not_kept(sim_servers, tmp_path):
     """(1) thinking off, SIGKILL after ~400 of 1,200 rows, the same command with thinking on."""
     cfg, records = sim_servers(num_servers=2, sim_ttft_s=0.05, concurrency_per_server=6)
@@ -119,18 +94,18 @@ def test_deleted_prompts_leave_the_dataset_and_edited_ones_are_regenerated(sim_s
     prompts = write_prompts(tmp_path / "p.jsonl", 400)
     cfg = cfg.model_copy(update={"prompts": str(prompts)})
     for shard in range(2):
-        run(generate, cfg, shard=shard)
+        run("generate", cfg, shard=shard)
     before = requests_total(records)
     write_prompts(prompts, 400, drop=range(0, 100), edit=range(100, 200))
     for shard in range(2):
-        run(generate, cfg, shard=shard)
+        run("generate", cfg, shard=shard)
     assert requests_total(records) - before == 100  # exactly the edited prompts
     df = pd.read_parquet(Path(cfg.output) / "data").set_index("id")
     assert sorted(df.index) == sorted(f"p{i}" for i in range(100, 400))
     assert df.loc["p150", "messages"][0]["content"] == "An edited question, number 150?"
     again = requests_total(records)
     for shard in range(2):
-        assert run(generate, cfg, shard=shard)["done"] == 0  # up to date: nothing sent
+        assert run("generate", cfg, shard=shard).done == 0  # up to date: nothing sent
     assert requests_total(records) == again
 
 
@@ -186,7 +161,7 @@ def test_a_recorded_server_that_does_not_match_is_never_used(make_config, tiny_m
                           run_id="dag/run-2")
         shared = start_servers(cfg, cfg.model_path, run_id="dag/test-run")  # same model, same args
         assert [r.pid for r in shared] == [r.pid for r in first]
-        assert run(stop, cfg, run_id="dag/test-run")["stopped"] == 0
+        assert run("stop_servers", cfg, run_id="dag/test-run").stopped == 0
         assert first[0].running()  # the test run's teardown left the owner's server alone
         relaunched = start_servers(cfg.model_copy(update={"max_running_requests": 4}), cfg.model_path,
                                    run_id="dag/run-1")  # the owner itself: relaunched, not refused
@@ -197,7 +172,7 @@ def test_a_recorded_server_that_does_not_match_is_never_used(make_config, tiny_m
 
 def test_a_reused_pid_is_never_signalled(tmp_path):
     """(5) a recorded server whose PID now belongs to another process is not that process."""
-    from regen.servers import ServerRecord
+    from regen.servers.records import ServerRecord
 
     other = subprocess.Popen(["sleep", "600"], start_new_session=True)
     try:
@@ -217,25 +192,25 @@ def test_rows_carry_the_fingerprint_of_the_copy_the_servers_loaded(make_config, 
     source = tmp_path / "ckpt"
     shutil.copytree(tiny_model, source)
     cfg = make_config(model_path=str(source), num_servers=1, num_shards=1)
-    staged = run(stage_weights, cfg)
-    run(serve, cfg, served_model_path=staged["path"])
+    staged = run("stage_weights", cfg)
+    run("start_servers", cfg, served_model_path=staged.path)
     try:
         weights = next(source.glob("*.safetensors"))
         with open(weights, "r+b") as fh:  # retrained in place while the run goes on
             fh.write(b"\x01" * 64)
-        assert model_fingerprint(source) != staged["fingerprint"]
-        run(generate, cfg, shard=0)
+        assert model_fingerprint(source) != staged.fingerprint
+        run("generate", cfg, shard=0)
     finally:
-        run(stop, cfg)
+        run("stop_servers", cfg)
     df = pd.read_parquet(Path(cfg.output) / "data")
-    assert set(df["settings_hash"]) == {settings_hash(staged["fingerprint"], cfg.sampling())}
-    assert Manifest(RunLayout(cfg.output)).read()["model"]["fingerprint"] == staged["fingerprint"]
+    assert set(df["settings_hash"]) == {settings_hash(staged.fingerprint, cfg.sampling_settings())}
+    assert Manifest(RunLayout(cfg.output)).read()["model"]["fingerprint"] == staged.fingerprint
 
 
 def test_more_shards_than_airflow_can_map_fail_preflight(make_config):
     """(7) num_shards above max_map_length: refused before any GPU time, naming both numbers."""
     with pytest.raises(PreflightFailed) as err:
-        run(preflight, make_config(num_shards=1100), code=False, max_map_length=1024)
+        run("preflight", make_config(num_shards=1100), code=False, max_map_length=1024)
     assert any("num_shards 1100 is above this Airflow's max_map_length 1024" in p for p in err.value.problems)
 
 
@@ -245,7 +220,7 @@ def test_a_prompt_file_changed_while_shards_run_fails_them_and_loses_nothing(sim
     prompts = write_prompts(tmp_path / "p.jsonl", 300)
     cfg, records = sim_servers(num_servers=1, sim_tokens_per_second=300, concurrency_per_server=2,
                                prompts=str(prompts), num_shards=2)
-    run(preflight, cfg, code=False)
+    run("preflight", cfg, code=False)
     endpoints = [(r.url, r.api_key) for r in records]
     fingerprint = model_fingerprint(cfg.model_path)
     errors: list[BaseException] = []
@@ -287,11 +262,11 @@ def test_the_audit_fails_rows_this_run_did_not_produce(sim_servers, tmp_path):
     cfg, records = sim_servers(num_servers=1, num_shards=2)
     prompts = write_prompts(tmp_path / "p.jsonl", 200)
     cfg = cfg.model_copy(update={"prompts": str(prompts)})
-    run(preflight, cfg, code=False)
-    run(generate, cfg, shard=0)
-    run(generate, cfg.model_copy(update={"max_tokens": 900}), shard=1)  # another setting
+    run("preflight", cfg, code=False)
+    run("generate", cfg, shard=0)
+    run("generate", cfg.model_copy(update={"max_tokens": 900}), shard=1)  # another setting
     write_prompts(prompts, 200, edit=[3])
-    run(preflight, cfg, code=False)  # the next run's manifest: p3 is not what it was
+    run("preflight", cfg, code=False)  # the next run's manifest: p3 is not what it was
     report = audit_dataset(cfg.output, cfg.model_path, tmp_path / "audit", AuditThresholds(1, 1.0))
     doc = report.to_json()
     assert doc["verdict"] == "FAIL"

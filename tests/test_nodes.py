@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import free_port_base
 from regen.config import ConfigError, RunConfig
-from regen.nodes import NoNodeAnswers, claim_node, node_balance
-from regen.servers import start_servers, stop_servers
+from regen.placement import NoNodeAnswers, claim_node
+from regen.servers.lifecycle import start_servers, stop_servers
+from regen.status import node_balance
+from support.processes import free_port_base
 
 
 def nodes_config(make_config, tmp_path, **extra):
@@ -19,7 +20,7 @@ def nodes_config(make_config, tmp_path, **extra):
 
 def test_a_node_overrides_the_run_and_a_bad_node_is_named():
     cfg = RunConfig(num_servers=3, nodes=[{"name": "a", "num_servers": 1}, {"name": "b"}])
-    assert cfg.for_node("a").num_servers == 1 and cfg.for_node("b").num_servers == 3
+    assert cfg.for_node("a").servers.num_servers == 1 and cfg.for_node("b").servers.num_servers == 3
     assert cfg.for_node("a").layout.servers != cfg.for_node("b").layout.servers != cfg.layout.servers
     with pytest.raises(ConfigError, match=r"nodes: b: extra_server_args: .*'\$\(reboot\)'"):
         RunConfig.from_mapping({"nodes": [{"name": "a"}, {"name": "b", "extra_server_args": ["$(reboot)"]}]})
@@ -35,7 +36,7 @@ def test_shards_claim_the_node_with_room_and_never_a_silent_one(make_config, tmp
     start_servers(a, a.model_path)  # node b's servers never started: it does not answer
     try:
         with claim_node(cfg, 0) as first, claim_node(cfg, 1) as second:
-            assert first.node == second.node == "a"
+            assert first.name == second.name == "a"
             # Node a's two slots are taken and node b is silent: a third shard waits, then gives up.
             with pytest.raises(NoNodeAnswers, match="no node of this run answers"):
                 stop_servers(a.layout, every=True)
@@ -45,7 +46,7 @@ def test_shards_claim_the_node_with_room_and_never_a_silent_one(make_config, tmp
         start_servers(a, a.model_path)
         start_servers(b, b.model_path)
         with claim_node(cfg, 0) as first, claim_node(cfg, 1) as second:
-            assert {first.node, second.node} == {"a", "b"}  # each takes the node with the most room
+            assert {first.name, second.name} == {"a", "b"}  # each takes the node with the most room
     finally:
         for name in ("a", "b"):
             stop_servers(cfg.for_node(name).layout, every=True)
@@ -65,9 +66,9 @@ def test_balance_counts_each_nodes_busy_time_once():
 
 def test_a_trigger_cannot_change_the_dags_nodes(make_config, tmp_path):
     """Each node's tasks go to its queue when the DAG is parsed: preflight refuses other nodes."""
-    from regen.preflight import PreflightFailed, preflight
+    from regen.preflight import PreflightFailed, check
 
     cfg = nodes_config(make_config, tmp_path)
     with pytest.raises(PreflightFailed, match=r"nodes \['a', 'b'\] differ from the nodes this DAG was built for \['a'\]"):
-        preflight(cfg, code=False, dag_nodes=["a"])
-    assert preflight(cfg, code=False, dag_nodes=["a", "b"])["shards"]
+        check(cfg, code=False, dag_nodes=["a"])
+    assert check(cfg, code=False, dag_nodes=["a", "b"]).shards

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import BIN, ROOT, processes_with_args
 from regen.preflight import check_code, run_preflight
+from support.paths import BIN, ROOT
+from support.processes import processes_with_args
 
 SEED_BUG = '''
 
@@ -97,8 +98,8 @@ def test_the_dag_fails_at_preflight_before_staging_or_any_server(project_with_se
     assert out.returncode != 0
     assert f"{generator}:{line}: SyntaxError: name 'MAX_OUTPUT_TOKENS'" in log
     assert not (tmp_path / "shm").exists()  # no weights staged
-    for i in range(cfg.num_servers):
-        assert processes_with_args("--port", str(cfg.base_port + i)) == []
+    for i in range(cfg.servers.num_servers):
+        assert processes_with_args("--port", str(cfg.servers.base_port + i)) == []
     assert not (tmp_path / "out" / "work" / "servers").exists()  # no server ever launched
     assert elapsed < 120  # measured in bench/bench_preflight.py
 
@@ -167,10 +168,10 @@ def test_too_little_space_for_output_and_staging(make_config, tmp_path):
 def test_a_taken_port(make_config):
     cfg = make_config()
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", cfg.base_port + 1))
+        sock.bind(("127.0.0.1", cfg.servers.base_port + 1))
         sock.listen()
         problems = run_preflight(cfg, code=False).problems
-    assert problems == [f"port {cfg.base_port + 1} on 127.0.0.1 already in use: free them or change "
+    assert problems == [f"port {cfg.servers.base_port + 1} on 127.0.0.1 already in use: free them or change "
                         f"base_port"]
 
 

@@ -6,8 +6,9 @@ import json
 
 import pandas as pd
 
-from conftest import ROOT, read_ids
 from regen.prompts import Prompt, PromptError, read_prompts, read_shard, shard_of
+from support.data import read_ids
+from support.paths import ROOT
 
 
 def write_jsonl(path, records):

@@ -10,17 +10,17 @@ import time
 
 import pytest
 
-from conftest import processes_with_args
 from regen.layout import RunLayout
 from regen.procs import session_pids
-from regen.servers import (ServerError, ServerRecord, build_command, port_is_free, start_servers,
-                           stop_records, stop_servers)
+from regen.servers.lifecycle import ServerError, build_command, port_is_free, start_servers, stop_records, stop_servers
+from regen.servers.records import ServerRecord
+from support.processes import processes_with_args
 
 
 def test_start_health_and_stop_leave_no_process_or_port(make_config):
     cfg = make_config(num_servers=2)
     records = start_servers(cfg, cfg.model_path)
-    assert [r.port for r in records] == [cfg.base_port, cfg.base_port + 1]
+    assert [r.port for r in records] == [cfg.servers.base_port, cfg.servers.base_port + 1]
     assert all(session_pids(r.pid) for r in records)
     layout = RunLayout(cfg.output)
     assert all(layout.server_log(r.index).exists() for r in records)
@@ -28,7 +28,7 @@ def test_start_health_and_stop_leave_no_process_or_port(make_config):
     assert stop_servers(layout)[0] == 2
     for r in records:
         assert session_pids(r.pid) == []
-        assert port_is_free(cfg.host, r.port)
+        assert port_is_free(cfg.servers.host, r.port)
     assert stop_servers(layout)[0] == 0  # a second teardown is harmless
 
 
@@ -44,13 +44,13 @@ def test_start_is_idempotent_and_reuses_healthy_servers(sim_servers):
 def test_a_taken_port_fails_fast_naming_it(make_config):
     cfg = make_config(num_servers=2)
     with socket.socket() as sock:
-        sock.bind((cfg.host, cfg.base_port + 1))
+        sock.bind((cfg.servers.host, cfg.servers.base_port + 1))
         sock.listen()
         started = time.monotonic()
-        with pytest.raises(ServerError, match=f"port {cfg.base_port + 1} on 127.0.0.1 already in use"):
+        with pytest.raises(ServerError, match=f"port {cfg.servers.base_port + 1} on 127.0.0.1 already in use"):
             start_servers(cfg, cfg.model_path)
         assert time.monotonic() - started < 2
-    assert processes_with_args("--port", str(cfg.base_port)) == []  # nothing was launched
+    assert processes_with_args("--port", str(cfg.servers.base_port)) == []  # nothing was launched
 
 
 def test_a_server_that_crashes_while_starting_fails_with_its_log_tail(make_config, tmp_path):
@@ -62,7 +62,7 @@ def test_a_server_that_crashes_while_starting_fails_with_its_log_tail(make_confi
     assert "exited with code 1 while starting" in str(err.value)
     assert "no config.json" in str(err.value)  # the log's last lines
     for i in range(2):  # the sibling that might have come up is stopped too
-        assert processes_with_args("--port", str(cfg.base_port + i)) == []
+        assert processes_with_args("--port", str(cfg.servers.base_port + i)) == []
 
 
 def test_teardown_kills_children_that_ignore_sigterm(make_config):
@@ -127,7 +127,7 @@ def test_a_vllm_server_on_the_cpu_runs_its_model_in_the_engine_core_and_the_node
     front end (bench/RESULTS.md): a CPU server runs without it, a GPU server as vLLM chooses, and a
     value the node sets itself wins."""
     from regen.engines import engine
-    from regen.servers import server_env
+    from regen.servers.lifecycle import server_env
 
     vllm = engine("vllm")
     assert vllm.launch_env(None) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

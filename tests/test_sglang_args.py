@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-from pathlib import Path
 
-
-from regen.servers import build_command
-
-SGLANG_PYTHON = Path(os.environ.get("REGEN_SGLANG_PYTHON") or next(
-    iter(sorted((Path.home() / ".cache" / "regen").glob("sglang-*/bin/python"))), "missing"))
+from regen.servers.lifecycle import build_command
+from support.engines import SGLANG_PYTHON
 
 PARSE = """
 import json, sys

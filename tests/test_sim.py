@@ -8,8 +8,10 @@ import sys
 import httpx
 import pytest
 
-from conftest import BIN, free_port_base, wait_until
-from regen.servers import ServerRecord, port_is_free, wait_healthy
+from regen.servers.lifecycle import port_is_free, wait_healthy
+from regen.servers.records import ServerRecord
+from support.paths import BIN
+from support.processes import free_port_base, wait_until
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 

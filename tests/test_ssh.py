@@ -12,15 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, ROOT, free_port_base, processes_with_args, read_ids, wait_until
-from regen.audit import audit
-from regen.canary import canary
-from regen.generate import generate
 from regen.pipeline import run
-from regen.preflight import preflight
-from regen.progress import progress
-from regen.servers import logs, port_is_free, serve, stop
-from regen.stage import stage_weights
+from regen.servers.lifecycle import port_is_free
+from support.data import read_ids
+from support.paths import BIN, ROOT
+from support.processes import free_port_base, processes_with_args, wait_until
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
@@ -73,29 +69,29 @@ def node(sshd, monkeypatch, make_config):
 
 def test_stage_serve_health_logs_and_teardown_run_on_the_node(node, tmp_path):
     cfg = node(num_servers=2)
-    staged = run(stage_weights, cfg)["path"]
+    staged = run("stage_weights", cfg).path
     assert staged.startswith(str(tmp_path / "shm"))
     assert (Path(staged) / "config.json").exists()
-    assert run(stage_weights, cfg)["path"] == staged  # a second staging is a no-op
-    urls = run(serve, cfg, served_model_path=staged)["urls"]
-    assert urls == [f"http://127.0.0.1:{cfg.base_port + i}" for i in range(2)]
+    assert run("stage_weights", cfg).path == staged  # a second staging is a no-op
+    urls = run("start_servers", cfg, served_model_path=staged).urls
+    assert urls == [f"http://127.0.0.1:{cfg.servers.base_port + i}" for i in range(2)]
     try:
-        text = run(logs, cfg)["logs"]
+        text = run("server_logs", cfg).logs
         assert "==> server 0" in text and "regen sim:" in text
-        assert run(canary, cfg)["passed"] is True
-        assert "shard 0/2" in run(generate, cfg, shard=0)["summary"]
-        from regen.web import config_data
+        assert run("canary", cfg).passed is True
+        assert "shard 0/2" in run("generate", cfg, shard=0).summary
+        from regen.dags.runpage import config_data
 
         page = config_data(cfg)  # what the run page shows for a run on the node
         assert page["output"] == f"gpu_node:{cfg.output}"
         assert page["progress"]["shards"]["shard-00000"]["state"] == "done"
         assert page["progress"]["canary"]["passed"] is True
     finally:
-        run(stop, cfg)
+        run("stop_servers", cfg)
     for i in range(2):
-        assert processes_with_args("--port", str(cfg.base_port + i)) == []
-        assert port_is_free("127.0.0.1", cfg.base_port + i)
-    assert run(stop, cfg)["stopped"] == 0  # a second teardown is harmless
+        assert processes_with_args("--port", str(cfg.servers.base_port + i)) == []
+        assert port_is_free("127.0.0.1", cfg.servers.base_port + i)
+    assert run("stop_servers", cfg).stopped == 0  # a second teardown is harmless
 
 
 # Values that differ between any two runs (timings, rates) or name this run's own resources (its
@@ -115,8 +111,8 @@ def normalized(doc, cfg):
         if isinstance(value, list):
             return [walk(v) for v in value]
         if isinstance(value, str):
-            for i in range(cfg.num_servers):
-                value = value.replace(str(cfg.base_port + i), f"<port{i}>")
+            for i in range(cfg.servers.num_servers):
+                value = value.replace(str(cfg.servers.base_port + i), f"<port{i}>")
             value = re.sub(r"pid \d+", "pid <pid>", value)
             return value.replace(cfg.output, "<output>").replace(cfg.staging_dir, "<staging>")
         return value
@@ -136,19 +132,19 @@ def differences(a, b, path="") -> list[str]:
 
 def every_stage(cfg) -> dict[str, dict]:
     """Each stage of a run, in the DAG's order, as its result document."""
-    docs = {"preflight": run(preflight, cfg)}
-    docs["stage_weights"] = run(stage_weights, cfg)
-    docs["serve"] = run(serve, cfg, served_model_path=docs["stage_weights"]["path"])
+    results = {"preflight": run("preflight", cfg)}
+    results["stage_weights"] = run("stage_weights", cfg)
+    results["serve"] = run("start_servers", cfg, served_model_path=results["stage_weights"].path)
     try:
-        docs["logs"] = run(logs, cfg, lines=1)
-        docs["canary"] = run(canary, cfg)
-        for shard in range(cfg.num_shards):
-            docs[f"generate {shard}"] = run(generate, cfg, shard=shard)
-        docs["audit"] = run(audit, cfg)
-        docs["progress"] = run(progress, cfg)
+        results["logs"] = run("server_logs", cfg, lines=1)
+        results["canary"] = run("canary", cfg)
+        for shard in range(cfg.generation.num_shards):
+            results[f"generate {shard}"] = run("generate", cfg, shard=shard)
+        results["audit"] = run("audit", cfg)
+        results["progress"] = run("status", cfg)
     finally:
-        docs["stop"] = run(stop, cfg)
-    return docs
+        results["stop"] = run("stop_servers", cfg)
+    return {name: result.model_dump(mode="json") for name, result in results.items()}
 
 
 @pytest.mark.slow
@@ -173,12 +169,12 @@ def test_a_warning_printed_after_the_result_does_not_break_it(node, tmp_path, ma
                        f'echo "WARNING: something printed after the result {{not json}}"\nexit $code\n')
     wrapper.chmod(0o755)
     cfg = node(remote_regen=str(wrapper))
-    assert Path(run(stage_weights, cfg)["path"]).is_dir()
+    assert Path(run("stage_weights", cfg).path).is_dir()
     from regen.preflight import PreflightFailed
 
     bad = node(remote_regen=str(wrapper), prompts=str(tmp_path / "none.jsonl"))
     with pytest.raises(PreflightFailed) as err:
-        run(preflight, bad, code=False)
+        run("preflight", bad, code=False)
     assert err.value.problems == [f"prompts {tmp_path / 'none.jsonl'}: file not found"]
 
 
@@ -189,7 +185,7 @@ def test_a_wrong_host_key_is_refused(sshd, monkeypatch, make_config):
     monkeypatch.setenv("AIRFLOW_CONN_GPU_NODE", connection(sshd, host_key=wrong))
     cfg = make_config(ssh_conn_id="gpu_node", remote_regen=str(BIN / "regen"))
     with pytest.raises(Exception, match="(?i)host key|not found in known_hosts|BadHostKey"):
-        run(stage_weights, cfg)
+        run("stage_weights", cfg)
     assert not Path(cfg.staging_dir).exists()
 
 
@@ -197,18 +193,18 @@ def test_shell_metacharacters_in_params_run_no_command_on_the_node(node, tiny_mo
     evil = tmp_path / "model; touch PWNED; $(touch PWNED2) `touch PWNED3`"
     shutil.copytree(tiny_model, evil)
     cfg = node(model_path=str(evil), num_servers=1)
-    staged = run(stage_weights, cfg)["path"]
+    staged = run("stage_weights", cfg).path
     assert Path(staged).exists()
     assert not list(tmp_path.rglob("PWNED*")) and not list(Path.cwd().glob("PWNED*"))
     assert not list(Path("/root").glob("PWNED*"))
 
 
 def test_a_remote_failure_carries_the_nodes_message_and_type(node, tmp_path):
-    from regen.stage import StageError
+    from regen.weights import StageError
 
     cfg = node(model_path=str(tmp_path / "missing"))
     with pytest.raises(StageError, match="not a model directory"):
-        run(stage_weights, cfg)
+        run("stage_weights", cfg)
 
 
 def test_preflight_on_the_node_lists_its_problems(node, tmp_path):
@@ -216,13 +212,13 @@ def test_preflight_on_the_node_lists_its_problems(node, tmp_path):
 
     cfg = node(prompts=str(tmp_path / "none.jsonl"))
     with pytest.raises(PreflightFailed) as err:
-        run(preflight, cfg)
+        run("preflight", cfg)
     assert err.value.problems == [f"prompts {tmp_path / 'none.jsonl'}: file not found"]
 
 
 @pytest.mark.slow
 def test_the_dag_runs_end_to_end_on_the_ssh_node(node, airflow_db):
-    from test_dag import _conf, _states, assert_no_server_left, load_dag
+    from support.airflow import _conf, _states, assert_no_server_left, load_dag
 
     cfg = node(num_shards=2, sim_tokens_per_second=2000)
     run = load_dag().test(run_conf=_conf(cfg))

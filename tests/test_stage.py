@@ -9,8 +9,9 @@ import subprocess
 
 import pytest
 
-from regen import stage
-from regen.stage import MANIFEST, StageError, stage_model, staged_path
+from regen import weights
+from regen.manifest import STAGED_COPY_RECORD
+from regen.weights import StageError, stage_model, staged_path
 
 
 @pytest.fixture
@@ -37,7 +38,7 @@ def test_stage_copies_verifies_and_a_second_stage_is_a_no_op(tmp_path):
     assert first.copied and first.path == staged_path(src, tmp_path / "shm")
     for name in ("config.json", "tokenizer.json", "model-00001-of-00001.safetensors"):
         assert (first.path / name).read_bytes() == (src / name).read_bytes()
-    assert (first.path / MANIFEST).exists()
+    assert (first.path / STAGED_COPY_RECORD).exists()
     second = stage_model(src, tmp_path / "shm")
     assert not second.copied
     assert second.seconds < 1.0
@@ -55,7 +56,7 @@ def test_a_changed_source_is_staged_again(tmp_path):
 
 def test_an_interrupted_copy_leaves_no_staged_model(tmp_path, monkeypatch):
     src = make_model(tmp_path / "m")
-    real_copy = stage._copy_one
+    real_copy = weights._copy_one
     calls = []
 
     def copy_then_die(s, d, rel):
@@ -64,11 +65,11 @@ def test_an_interrupted_copy_leaves_no_staged_model(tmp_path, monkeypatch):
             raise KeyboardInterrupt  # the task killed mid-copy
         real_copy(s, d, rel)
 
-    monkeypatch.setattr(stage, "_copy_one", copy_then_die)
+    monkeypatch.setattr(weights, "_copy_one", copy_then_die)
     with pytest.raises(KeyboardInterrupt):
         stage_model(src, tmp_path / "shm", workers=1)
     assert list((tmp_path / "shm").iterdir()) == []  # no half copy, no temp dir
-    monkeypatch.setattr(stage, "_copy_one", real_copy)
+    monkeypatch.setattr(weights, "_copy_one", real_copy)
     assert stage_model(src, tmp_path / "shm").copied
 
 
@@ -87,7 +88,7 @@ def test_not_a_model_directory(tmp_path):
 
 
 def test_the_model_fingerprint_sees_retrained_weights_not_copies(tmp_path):
-    from regen.stage import model_fingerprint
+    from regen.manifest import model_fingerprint
 
     src = make_model(tmp_path / "m", weight_bytes=3_000_000)
     first = model_fingerprint(src)

@@ -15,12 +15,14 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import BIN, ROOT, processes_with_args, read_ids, trigger_run, wait_run, wait_until
-from regen.generate import generate
 from regen.layout import RunLayout
 from regen.pipeline import run
-from regen.servers import ServerError, read_state, start_servers, stop_records
-from test_integrity import write_prompts
+from regen.servers.lifecycle import ServerError, start_servers, stop_records
+from regen.servers.records import read_state
+from support.airflow import trigger_run, wait_run
+from support.data import read_ids, write_prompts
+from support.paths import BIN, ROOT
+from support.processes import processes_with_args, wait_until
 
 SGLANG_MAMBA = ["--max-running-requests", "64", "--sim-effective-max-running-requests", "8"]
 
@@ -36,7 +38,7 @@ def test_the_limit_is_sglangs_effective_one_and_shared_by_every_shard(sim_server
                                extra_server_args=SGLANG_MAMBA)
     info = httpx.get(f"{records[0].url}/server_info").json()["internal_states"][0]
     assert (info["max_running_requests"], info["effective_max_running_requests_per_dp"]) == (64, 8)
-    budget = 8 + cfg.queue_margin
+    budget = 8 + cfg.generation.queue_margin
     prompts = write_prompts(tmp_path / "p.jsonl", 120)
     base = [str(BIN / "regen"), "--no-progress-bar", "generate", "--prompts", str(prompts),
             "--endpoints", records[0].url, "--api-key", records[0].api_key]
@@ -106,15 +108,15 @@ def test_abandoned_servers_stop_by_themselves(make_config, tmp_path):
                             text=True, timeout=120)
     assert served.returncode == 0, served.stderr[-2000:]
     wait_until(lambda: read_state(RunLayout(other.output)) == [], 15, "idle shutdown")
-    assert processes_with_args("--port", str(other.base_port)) == []
+    assert processes_with_args("--port", str(other.servers.base_port)) == []
 
 
 def test_a_shard_that_finds_no_servers_brings_them_up_itself(make_config):
     """After the teardown ran (a run cleared with only failed), a DAG shard starts the servers
     through the same code as start_servers; the audit's stop then leaves none running."""
     cfg = make_config(num_servers=2, num_shards=2)
-    result = run(generate, cfg, shard=1, run_id="dag/cleared-run")
-    assert result["failed"] == 0 and result["done"] == result["total"]
+    result = run("generate", cfg, shard=1, run_id="dag/cleared-run")
+    assert result.failed == 0 and result.done == result.total
     records = read_state(RunLayout(cfg.output))
     assert len(records) == 2 and {r.owner for r in records} == {"dag/cleared-run"}
     stop_records(records, grace_s=5)
@@ -125,7 +127,7 @@ def test_a_shard_on_another_node_is_told_at_once(sim_servers, monkeypatch):
     monkeypatch.setenv("REGEN_NODE_NAME", "some-other-worker")
     started = time.monotonic()
     with pytest.raises(ServerError, match="servers run on node .*; this task runs on some-other-worker"):
-        run(generate, cfg, shard=0, run_id="dag/run")
+        run("generate", cfg, shard=0, run_id="dag/run")
     assert time.monotonic() - started < 5
 
 
@@ -155,7 +157,7 @@ def assert_clean_success(api, run_id, cfg):
     df = pd.read_parquet(Path(cfg.output) / "data")
     assert sorted(df["id"]) == sorted(read_ids(Path(cfg.prompts))) and df["id"].is_unique
     assert df["error"].isna().all()
-    wait_until(lambda: processes_with_args("--port", str(cfg.base_port)) == [], 30, "no server left")
+    wait_until(lambda: processes_with_args("--port", str(cfg.servers.base_port)) == [], 30, "no server left")
 
 
 @pytest.mark.slow
@@ -233,13 +235,13 @@ def test_a_person_approves_or_rejects_the_run_after_the_canary(airflow, make_con
     assert states[("approve", -1)] == "success" and states[("stop_servers", -1)] == "success"
     assert {v for k, v in states.items() if k[0] in ("generate", "audit")} == {"skipped"}
     assert not (Path(cfg.output) / "data").exists()
-    wait_until(lambda: processes_with_args("--port", str(cfg.base_port)) == [], 30, "no server left")
+    wait_until(lambda: processes_with_args("--port", str(cfg.servers.base_port)) == [], 30, "no server left")
 
 
 def test_a_lease_read_while_it_is_renewed_still_counts(tmp_path):
     """A reader can catch a lease mid-write: it still has its holder's name (the rebalancer of a
     shard once died on a nameless lease, and the shard waited for slots forever)."""
-    from regen.leases import Lease, live_leases
+    from regen.coordination import Lease, live_leases
 
     layout = RunLayout(tmp_path / "out")
     with Lease(layout, "shard-00003", "run", demand=10) as lease:

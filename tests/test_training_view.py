@@ -16,12 +16,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ROOT
-from regen.audit import AuditThresholds, audit_dataset
+from regen.audit.dataset import audit_dataset
+from regen.audit.findings import AuditThresholds
 from regen.config import ConfigError, RunConfig
 from regen.export import export_sharegpt
-from regen.store import ROW_SCHEMA
-from test_sglang_args import SGLANG_PYTHON
+from regen.rows import ROW_SCHEMA
+from support.engines import SGLANG_PYTHON
+from support.paths import ROOT
 
 ORACLE = ROOT / "tests" / "fixtures" / "specforge_oracle.py"
 WORDS = ("the light scatters because shorter wavelengths bend more; naïve café 東京 42 % "
@@ -96,7 +97,7 @@ def test_loss_tokens_equal_specforges_parser_uncut_and_cut(qwen3_tokenizer_dir, 
 def test_a_template_that_drops_reasoning_is_refused_with_thinking_on():
     with pytest.raises(ConfigError, match="train_template 'qwen'.*drops reasoning_content"):
         RunConfig.from_mapping({"train_template": "qwen", "enable_thinking": True})
-    assert RunConfig.from_mapping({"train_template": "qwen", "enable_thinking": False}).train_template == "qwen"
+    assert RunConfig.from_mapping({"train_template": "qwen", "enable_thinking": False}).audit.train_template == "qwen"
 
 
 def test_the_token_export_trains_on_what_specforge_masks_from_the_generated_tokens(sim_servers, tmp_path, tiny_model):
@@ -104,10 +105,10 @@ def test_the_token_export_trains_on_what_specforge_masks_from_the_generated_toke
     and template), multi-turn included: `regen export --format tokens` marks, in the engine's
     own tokens, exactly the tokens SpecForge's parser trains on for the same conversation, on
     every sample whose re-encoding agrees with the generated tokens."""
-    from regen.audit import audit_dataset
+    from regen.audit.dataset import audit_dataset
     from regen.export import export_tokens
     from regen.generate import ShardRun
-    from test_turns import write_conversations
+    from support.data import write_conversations
 
     prompts = write_conversations(tmp_path / "p.jsonl", 8, turns=3, singles=12)
     cfg, records = sim_servers(prompts=str(prompts), num_shards=1)
@@ -131,7 +132,7 @@ def test_the_token_export_trains_on_what_specforge_masks_from_the_generated_toke
 
 
 def test_an_answer_whose_text_re_encodes_to_other_tokens_is_found(qwen3_tokenizer_dir, tmp_path):
-    from regen.chat import load_tokenizer
+    from regen.chat.render import load_tokenizer
 
     tok = load_tokenizer(str(qwen3_tokenizer_dir))
     rows = make_rows(True, count=4)

@@ -9,8 +9,8 @@ import contextlib
 import httpx2
 import pytest
 
-from conftest import free_port_base
 from regen.transport import StreamTransport
+from support.processes import free_port_base
 
 
 @contextlib.asynccontextmanager
@@ -49,7 +49,8 @@ def test_requests_reuse_kept_alive_connections_and_never_exceed_the_slots(tiny_m
     port = free_port_base(1)
     sim = subprocess.Popen([sys.executable, "-m", "regen", "sim", "--port", str(port), "--model-path",
                             str(tiny_model), "--sim-tokens-per-second", "2000"])
-    from regen.servers import ServerRecord, wait_healthy
+    from regen.servers.lifecycle import wait_healthy
+    from regen.servers.records import ServerRecord
 
     try:
         wait_healthy([(ServerRecord(0, None, "127.0.0.1", port, sim.pid, "/dev/null", None), sim)], 30)

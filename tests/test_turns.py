@@ -13,31 +13,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from conftest import ROOT, wait_until
 from regen.canary import first_prompts
 from regen.export import export_sharegpt
 from regen.generate import ShardRun
 from regen.layout import RunLayout
 from regen.store import Journal
-from test_integrity import FAST, cli, settle
-
-ORIGINAL = "THE DATASET'S OLD ANSWER"
-
-
-def write_conversations(path: Path, count: int, turns: int = 3, singles: int = 0) -> Path:
-    """``count`` conversations of ``turns`` user turns, each followed by the dataset's own
-    assistant answer except the last; ``singles`` one-turn prompts after them."""
-    with path.open("w") as fh:
-        for i in range(count):
-            messages = [{"role": "system", "content": "Be brief."}]
-            for k in range(turns):
-                messages.append({"role": "user", "content": f"Conversation {i}, question {k}: why is the sky blue?"})
-                if k < turns - 1:
-                    messages.append({"role": "assistant", "content": ORIGINAL})
-            fh.write(json.dumps({"id": f"c{i}", "messages": messages}) + "\n")
-        for i in range(singles):
-            fh.write(json.dumps({"id": f"s{i}", "prompt": f"Single question {i}?"}) + "\n")
-    return path
+from support.data import FAST, ORIGINAL, cli, settle, write_conversations
+from support.paths import ROOT
+from support.processes import wait_until
 
 
 def logged_requests(log: Path) -> list[list[dict]]:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from conftest import ROOT, trigger_run, wait_run, wait_until
+from support.airflow import trigger_run, wait_run
+from support.paths import ROOT
+from support.processes import wait_until
 
 ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM = "/usr/bin/chromium"

@@ -7,16 +7,15 @@ fails. About 3 minutes (each vLLM server takes about 40 s to start and 3 GB).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from conftest import ROOT, read_ids, turn_requests
-
-VLLM_PYTHON = Path(os.environ.get("REGEN_VLLM_PYTHON", "missing"))
-MODEL = Path(os.environ.get("REGEN_TRAINED_MODEL", "missing"))
+from support.data import read_ids, turn_requests
+from support.engines import TRAINED_MODEL as MODEL
+from support.engines import VLLM_PYTHON
+from support.paths import ROOT
 
 
 @pytest.fixture
@@ -43,7 +42,7 @@ def vllm_config(make_config, monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_vllm_end_to_end_thinking_on_passes_and_off_fails(airflow_db, vllm_config):
-    from test_dag import _conf, _states, assert_no_server_left, asset_events, load_dag
+    from support.airflow import _conf, _states, assert_no_server_left, asset_events, load_dag
 
     cfg = vllm_config()
     run = load_dag().test(run_conf=_conf(cfg))

@@ -1,7 +1,8 @@
 """regen: regenerate LLM training datasets with the target model, safely and resumably.
 
-One module per stage (config, prompts, chat, stage, servers, sim, preflight, canary, generate,
-audit, progress); `regen.cli` puts a command line over the same functions the DAG calls.
+One module (or package) per stage, named in regen.stages: preflight, weights, servers, canary,
+generate, audit, status. regen.pipeline is the one seam every caller goes through (the DAG's
+tasks, `regen.cli`); the README's module map places every module in its layer.
 """
 
 __version__ = "0.1.0"

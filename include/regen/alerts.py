@@ -10,7 +10,7 @@ Where an alert goes is the deployment's choice, by environment, with no code cha
 
 Every alert is also logged. Deliveries run on a background thread, never on the caller's event
 loop (a shard's generator calls this); the process waits for them at exit. The DAG wires
-:func:`notifier` as its tasks' failure callback, so the alert names the stage that failed and why.
+:func:`regen.dags.notifier` as its tasks' failure callback, so the alert names the stage that failed and why.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from regen.layout import RunLayout
+from regen.files import read_json
+from regen.layout import RunLayout
+from regen.units import format_duration
 
 log = logging.getLogger("regen.alerts")
 
@@ -89,19 +90,16 @@ def failure_reason(exception: BaseException | None) -> str:
     return f"failed: {type(exception).__name__}: {text[0] if text else ''}"[:1000]
 
 
-def check_overdue(output: "RunLayout | str | Path") -> dict | None:
+def check_overdue(output: RunLayout | str | Path) -> dict | None:
     """Once per run: alert when generation has gone on OVERDUE_FACTOR times the canary's
     estimate of the whole run (counted from when the canary measured it)."""
-    from regen.layout import RunLayout
-    from regen.progress import format_duration, read_json
-
     layout = output if isinstance(output, RunLayout) else RunLayout(output)
     canary = read_json(layout.progress_part("canary")) or {}
     eta, since = (canary.get("estimate") or {}).get("eta_s"), canary.get("updated")
     if not eta or not since:
         return None
     elapsed = time.time() - since
-    marker = layout.alerts / f"overdue-{int(since)}"
+    marker = layout.alert_marker(f"overdue-{int(since)}")
     if elapsed < OVERDUE_FACTOR * eta or marker.exists():
         return None
     marker.parent.mkdir(parents=True, exist_ok=True)
@@ -109,22 +107,3 @@ def check_overdue(output: "RunLayout | str | Path") -> dict | None:
     return send("generate", f"is running {elapsed / eta:.1f}x past the canary's estimate "
                 f"({format_duration(elapsed)} so far, estimated {format_duration(eta)})",
                 output=str(layout.root))
-
-
-def notifier():
-    """An Airflow notifier for task failures: the failed task is the stage, its exception the
-    reason. Built on demand so regen imports without Airflow."""
-    from airflow.sdk import BaseNotifier
-
-    class AlertNotifier(BaseNotifier):
-        def notify(self, context) -> None:
-            ti = context.get("ti") or context.get("task_instance")
-            stage = getattr(ti, "task_id", "run")
-            label = getattr(ti, "rendered_map_index", None)
-            if label:
-                stage = f"{stage} ({label})"
-            dag_run = context.get("dag_run")
-            send(stage, failure_reason(context.get("exception")),
-                 dag_id=getattr(dag_run, "dag_id", None), run_id=getattr(dag_run, "run_id", None))
-
-    return AlertNotifier()

@@ -13,13 +13,17 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from regen.audit import AuditThresholds, audit_rows
+from regen.audit.dataset import audit_rows
+from regen.audit.findings import AuditThresholds
 from regen.config import RunConfig
 from regen.errors import RegenError
 from regen.generate import generate_rows
-from regen.progress import RunProgress, format_duration
+from regen.placement import servers_for
+from regen.progress import RunProgress
 from regen.prompts import Prompt, read_prompts
+from regen.results import CanaryReport
 from regen.turns import user_turns
+from regen.units import format_duration
 
 log = logging.getLogger("regen.canary")
 
@@ -101,17 +105,17 @@ def _tail(k: int, n: int, p: float) -> float:
 
 
 def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> CanaryResult:
-    prompts, total = first_prompts(cfg.prompts, cfg.canary_size)
+    prompts, total = first_prompts(cfg.prompts, cfg.canary.size)
     if not prompts:
         raise CanaryFailed(f"prompts {cfg.prompts}: no readable prompt for the canary")
-    quick = cfg.model_copy(update={"max_attempts": min(cfg.max_attempts, 3)})
+    quick = cfg.model_copy(update={"max_attempts": min(cfg.generation.max_attempts, 3)})
     # One prompt per server alone, then a full batch at once (the rest of the canary's prompts,
     # repeated to fill every decoding slot: on a batching server that costs about one request's
     # time): the batching curve's two ends. Every prompt's first answer is checked.
     servers = len(endpoints)
     alone, slots = generate_rows(quick, prompts[:servers], endpoints)
     rest = prompts[servers:] or prompts
-    decoding = max(slots - servers * cfg.queue_margin, len(rest))
+    decoding = max(slots - servers * cfg.generation.queue_margin, len(rest))
     together, _ = generate_rows(quick, [rest[i % len(rest)] for i in range(decoding)], endpoints)
     rows, seen = list(alone), {r["id"] for r in alone}
     for row in together:
@@ -141,10 +145,10 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
               "on (is the server's reasoning parser set, or thinking disabled on the server?)")
     check("empty_answer", "answers are empty")
     check("degenerate", f"samples are degenerate (loss mask under min_loss_tokens "
-          f"{cfg.min_loss_tokens}, or no reasoning while thinking is on): the audit's limit of "
-          f"{cfg.max_degenerate_fraction:.1%} would not hold", plausible=cfg.max_degenerate_fraction)
-    check("truncated", f"answers hit max_tokens {cfg.max_tokens}", limit=0.5)
-    result.estimate = estimate_run(alone, together, total, len(endpoints), slots, cfg.queue_margin)
+          f"{cfg.audit.min_loss_tokens}, or no reasoning while thinking is on): the audit's limit of "
+          f"{cfg.audit.max_degenerate_fraction:.1%} would not hold", plausible=cfg.audit.max_degenerate_fraction)
+    check("truncated", f"answers hit max_tokens {cfg.sampling.max_tokens}", limit=0.5)
+    result.estimate = estimate_run(alone, together, total, len(endpoints), slots, cfg.generation.queue_margin)
     RunProgress(cfg.output).write_section("canary", {
         "passed": not result.problems, "problems": result.problems, "samples": n,
         "estimate": result.estimate,
@@ -156,18 +160,15 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
 EXAMPLE_CHARS = 600  # of each example's reasoning and answer, for a person approving the run
 
 
-def canary(cfg: RunConfig, run_id: str | None = None) -> dict:
+def probe(cfg: RunConfig, run_id: str | None = None) -> CanaryReport:
     """The canary stage, against the servers start_servers recorded (with ``run_id``, brought up
     here when they are gone, as a shard does)."""
-    from regen.servers import servers_for
-
-    records = servers_for(cfg, run_id)
-    result = run_canary(cfg, [(r.url, r.api_key) for r in records])
+    result = run_canary(cfg, [(r.url, r.api_key) for r in servers_for(cfg, run_id)])
     if result.problems:
         raise CanaryFailed("\n".join(result.problems))
-    return {"passed": True, "samples": len(result.rows), "estimate": result.estimate,
-            "examples": [{"id": r["id"], "turns": len(r.get("turns") or [1]),
-                          "reasoning_content": (r["reasoning_content"] or "")[:EXAMPLE_CHARS],
-                          "content": (r["content"] or "")[:EXAMPLE_CHARS]} for r in result.rows[:3]],
-            "summary": f"canary passed: {len(result.rows)} samples; estimate: "
-                       f"{result.estimate.get('text', 'n/a')}"}
+    return CanaryReport(
+        passed=True, samples=len(result.rows), estimate=result.estimate,
+        examples=[{"id": r["id"], "turns": len(r.get("turns") or [1]),
+                   "reasoning_content": (r["reasoning_content"] or "")[:EXAMPLE_CHARS],
+                   "content": (r["content"] or "")[:EXAMPLE_CHARS]} for r in result.rows[:3]],
+        summary=f"canary passed: {len(result.rows)} samples; estimate: {result.estimate.get('text', 'n/a')}")

@@ -10,15 +10,22 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import sys
 import typing
 from pathlib import Path
 from typing import Any
 
-from regen.config import RunConfig
+from regen.audit.findings import AuditFailed
+from regen.config import RunConfig, run_fields
+from regen.engines.simulator.app import main as simulator_main
 from regen.errors import DataError, RegenError
-from regen.layout import RunLayout
+from regen.export import export_sharegpt, export_tokens
+from regen.files import read_json
+from regen.pipeline import execute, run
+from regen.preflight import PreflightFailed
+from regen.tinymodel import build_tiny_model
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -29,9 +36,10 @@ def _add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (
     parser.add_argument("--config-json", help="the run's fields as one JSON object (how a stage "
                         "is handed to an SSH node)")
     group = parser.add_argument_group("config fields (override the YAML)")
-    for name, field in RunConfig.model_fields.items():
+    for name, flat in run_fields().items():
         if name in skip:
             continue
+        field = flat.info
         flag = "--" + name.replace("_", "-")
         help_text = field.title or name
         base = _base_type(field.annotation)
@@ -78,7 +86,7 @@ def _base_type(annotation: Any) -> type:
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name in RunConfig.model_fields:
+    for name in run_fields():
         value = getattr(args, name, None)
         if value is None:
             continue
@@ -102,7 +110,7 @@ def load_config(args: argparse.Namespace) -> RunConfig:
                     if k in ("model_path", "prompts", "output", "staging_dir") and v}
     overrides.update(cwd_relative)
     cfg = RunConfig.load(args.config, overrides, base_dir=None if args.config else Path.cwd())
-    return cfg.for_node(cfg.node) if cfg.node else cfg  # `--node NAME`: that node's stage
+    return cfg.for_node(cfg.this_node())  # `--node NAME`: that node's stage
 
 
 def _setup_logging(verbose: bool = False) -> None:
@@ -112,41 +120,30 @@ def _setup_logging(verbose: bool = False) -> None:
 
 
 # Each command runs its stage through regen.pipeline (here, or on the config's SSH node) and
-# prints the result document's parts a person needs.
+# prints the parts of its result a person needs.
 
 def cmd_preflight(args) -> int:
-    from regen.pipeline import run
-    from regen.preflight import PreflightFailed, preflight
-
-    cfg = load_config(args)
     try:
-        result = run(preflight, cfg, code=not args.skip_code)
+        run("preflight", load_config(args), code=not args.skip_code)
     except PreflightFailed as exc:
         for problem in exc.problems:
             print(problem)
         print(f"preflight: {len(exc.problems)} problem(s)", file=sys.stderr)
         return EXIT_FAILED
-    print(result["summary"], file=sys.stderr)
     return 0
 
 
 def cmd_stage(args) -> int:
-    from regen.pipeline import run
-    from regen.stage import stage_weights
-
-    print(run(stage_weights, load_config(args))["path"])
+    print(run("stage_weights", load_config(args)).path)
     return 0
 
 
 def cmd_serve(args) -> int:
-    from regen.pipeline import run
-    from regen.servers import serve, stop
-
     cfg = load_config(args)
     if args.stop:
-        print(run(stop, cfg, run_id=args.run_id, every=args.every)["summary"])
+        print(run("stop_servers", cfg, run_id=args.run_id, every=args.every).summary)
         return 0
-    for url in run(serve, cfg, served_model_path=args.served_model_path, run_id=args.run_id)["urls"]:
+    for url in run("start_servers", cfg, served_model_path=args.served_model_path, run_id=args.run_id).urls:
         print(url)
     print(f"state and logs: {cfg.layout.servers}; stop with `regen serve --stop` and "
           f"the same config", file=sys.stderr)
@@ -154,51 +151,31 @@ def cmd_serve(args) -> int:
 
 
 def cmd_logs(args) -> int:
-    from regen.pipeline import run
-    from regen.servers import logs
-
-    result = run(logs, load_config(args), lines=args.lines)
-    print(result["logs"] or "no servers recorded")
-    return 0 if result["logs"] else EXIT_FAILED
+    result = run("server_logs", load_config(args), lines=args.lines)
+    print(result.logs or "no servers recorded")
+    return 0 if result.logs else EXIT_FAILED
 
 
 def cmd_canary(args) -> int:
-    from regen.canary import canary
-    from regen.pipeline import run
-
-    print(run(canary, load_config(args))["summary"])
+    run("canary", load_config(args))
     return 0
 
 
 def cmd_generate(args) -> int:
-    from regen.generate import generate
-    from regen.pipeline import run
-
     cfg = load_config(args)
     endpoints = [u.strip() for u in args.endpoints.split(",") if u.strip()] if args.endpoints else None
     # Servers named by URL serve what they report, unless a model directory is named too.
     model_from = "model_path" if (args.config or args.config_json or args.model_path) else "servers"
-    shards = [args.shard] if args.shard is not None else list(range(cfg.num_shards))
-    from regen.nodes import generate_shard
-
+    shards = [args.shard] if args.shard is not None else list(range(cfg.generation.num_shards))
     for shard in shards:
-        if cfg.nodes and not endpoints:  # a run over several nodes: each shard claims one
-            doc = generate_shard(cfg, shard, "cli", strict_index=False)
-        else:
-            doc = run(generate, cfg, shard=shard, endpoints=endpoints, model_from=model_from)
-        print(doc["summary"])
+        run("generate", cfg, shard=shard, endpoints=endpoints, model_from=model_from)
     return 0
 
 
 def cmd_audit(args) -> int:
-    import json
-
-    from regen.audit import AuditFailed, audit
-    from regen.pipeline import run
-
-    cfg = load_config(args)
     try:
-        doc = run(audit, cfg, data=args.data, tokenizer=args.tokenizer, report=args.report)
+        doc = run("audit", load_config(args), data=args.data, tokenizer=args.tokenizer,
+                  report_dir=args.report).model_dump(mode="json")
     except AuditFailed as exc:
         doc = exc.summary
     for line in doc.get("summary") or []:
@@ -209,11 +186,9 @@ def cmd_audit(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from regen.export import export_sharegpt, export_tokens
-
     if args.format == "tokens":
         cfg = load_config(args)
-        result = export_tokens(args.data, args.out, args.tokenizer or cfg.model_path, cfg.train_template)
+        result = export_tokens(args.data, args.out, args.tokenizer or cfg.model_path, cfg.audit.train_template)
     else:
         result = export_sharegpt(args.data, args.out, expect_reasoning=args.expect_reasoning)
     print(result.summary())
@@ -222,10 +197,6 @@ def cmd_export(args) -> int:
 
 def cmd_run_stage(args) -> int:
     """How an SSH node runs a stage for regen.pipeline: the result document on one marked line."""
-    import json
-
-    from regen.pipeline import execute
-
     cfg = load_config(args)
     doc = execute(args.stage, cfg, json.loads(args.kwargs_json))
     if not doc["ok"]:
@@ -243,37 +214,28 @@ def cmd_config(args) -> int:
 
 def cmd_progress(args) -> int:
     """What the run page shows, as JSON."""
-    import json
-
-    from regen.pipeline import run
-    from regen.progress import progress
-
-    print(json.dumps(run(progress, load_config(args)), default=str))
+    print(run("status", load_config(args)).model_dump_json())
     return 0
 
 
 def cmd_summary(args) -> int:
     """Where the dataset and the report are, and the audit's five lines: readable in seconds."""
-    import json
-
-    layout = RunLayout(load_config(args).output)
-    progress = json.loads(layout.progress_file.read_text()) if layout.progress_file.exists() else {}
+    layout = load_config(args).layout
+    progress = read_json(layout.progress_file) or {}
     print(f"dataset:  {layout.data}  ({progress.get('done', 0):,} rows done, "
           f"{progress.get('failed', 0):,} failed, of {progress.get('total', 0):,})")
     print(f"progress: {layout.progress_file}")
-    if not layout.summary_json.exists():
+    summary = read_json(layout.audit.summary_json)
+    if summary is None:
         print("audit:    not run yet")
         return EXIT_FAILED
-    summary = json.loads(layout.summary_json.read_text())
-    print(f"audit:    {layout.audit}  (report.html, summary.json, samples.parquet)")
+    print(f"audit:    {layout.audit.root}  (report.html, summary.json, samples.parquet)")
     for line in summary["summary"]:
         print("  " + line)
     return 0 if summary["verdict"] == "PASS" else EXIT_FAILED
 
 
 def cmd_demo_model(args) -> int:
-    from regen.tinymodel import build_tiny_model
-
     print(build_tiny_model(args.out, force=args.force))
     return 0
 
@@ -360,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run-stage", help="internal: run one stage and print its result document "
                        "on a marked line (how an SSH node runs a stage)")
-    p.add_argument("stage", help="module:function of the stage")
+    p.add_argument("stage", help="the stage's name (regen.stages)")
     _add_config_flags(p)
     p.add_argument("--kwargs-json", default="{}")
     p.add_argument("--result-marker", required=True)
@@ -376,15 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "sim":
-        from regen import sim
-
-        return sim.main(argv[1:])
+        return simulator_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
     if args.no_progress_bar:
-        import os
-
         os.environ["REGEN_NO_PROGRESS_BAR"] = "1"
     try:
         return args.func(args)

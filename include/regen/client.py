@@ -21,6 +21,8 @@ import msgspec
 
 from regen.config import RunConfig
 from regen.dispatch import ClientTuning, Endpoint, ServerPool
+from regen.protocol import chat_request, read_chat_response
+from regen.rows import Row
 from regen.turns import Conversation
 
 log = logging.getLogger("regen.client")
@@ -67,25 +69,11 @@ class Generator:
         self.failed = 0
         self.tokens = 0
         self.recent: deque[tuple[float, int]] = deque()
-        self.sampling = cfg.sampling()
+        self.sampling = cfg.sampling_settings()
 
     def payload(self, endpoint: Endpoint, request: Request) -> dict[str, Any]:
-        s = self.sampling
-        body: dict[str, Any] = {
-            "model": endpoint.model or "default",
-            "messages": request.messages,
-            "max_tokens": s["max_tokens"],
-            "temperature": s["temperature"],
-            "top_p": s["top_p"],
-            "chat_template_kwargs": {"enable_thinking": s["enable_thinking"]},
-            "stream": False,
-        }
-        if s["top_k"] is not None:
-            body["top_k"] = s["top_k"]
-        if s["seed"] is not None:
-            body["seed"] = s["seed"]
-        body.update(endpoint.engine.request_fields)
-        return body
+        return chat_request(endpoint.model or "default", request.messages, self.sampling,
+                            endpoint.engine.request_fields)
 
     async def run_one(self, request: Request) -> dict:
         last_error = "not attempted"
@@ -93,7 +81,7 @@ class Generator:
         started = time.monotonic()
         retry = True
         attempt = 0
-        for attempt in range(1, self.cfg.max_attempts + 1):
+        for attempt in range(1, self.cfg.generation.max_attempts + 1):
             endpoint, ticket = await self.pool.acquire(avoid=endpoint)
             sent = time.monotonic()
             retry, latency = True, None
@@ -128,7 +116,7 @@ class Generator:
                 await self.pool.release(endpoint, ticket, latency)
             if not retry:
                 break
-            if attempt < self.cfg.max_attempts:
+            if attempt < self.cfg.generation.max_attempts:
                 cap = min(self.tuning.retry_backoff_max_s, self.tuning.retry_backoff_s * 2 ** (attempt - 1))
                 await asyncio.sleep(random.uniform(0, cap))
         endpoint.failed += 1
@@ -136,41 +124,23 @@ class Generator:
 
     def parse(self, request: Request, endpoint: Endpoint, body: dict, attempt: int,
               started: float) -> dict:
-        choice = body["choices"][0]
-        message = choice["message"]
-        usage = body.get("usage") or {}
-        prompt_ids, completion_ids = endpoint.engine.token_ids(body, choice)
-        return {
-            "id": request.id,
-            "messages": request.messages,
-            "reasoning_content": endpoint.engine.reasoning(message),
-            "content": message.get("content") or "",
-            "finish_reason": choice.get("finish_reason"),
-            "prompt_tokens": usage.get("prompt_tokens"),
-            "completion_tokens": usage.get("completion_tokens"),
-            "error": None,
-            "enable_thinking": self.sampling["enable_thinking"],
-            "model": body.get("model") or endpoint.model,
-            "server": endpoint.url,
-            "attempts": attempt,
-            "latency_s": round(time.monotonic() - started, 3),
-            "prompt_token_ids": prompt_ids,
-            "completion_token_ids": completion_ids,
-            **request.stamp,
-        }
+        reply = read_chat_response(body, endpoint.engine)
+        return {**Row(
+            id=request.id, messages=request.messages, reasoning_content=reply.reasoning_content,
+            content=reply.content or "", finish_reason=reply.finish_reason, prompt_tokens=reply.prompt_tokens,
+            completion_tokens=reply.completion_tokens, error=None,
+            enable_thinking=self.sampling["enable_thinking"], model=reply.model or endpoint.model,
+            server=endpoint.url, attempts=attempt, latency_s=round(time.monotonic() - started, 3),
+            prompt_token_ids=reply.prompt_token_ids, completion_token_ids=reply.completion_token_ids,
+        ).to_dict(), **request.stamp}
 
     def error_row(self, request: Request, endpoint: Endpoint, error: str, attempts: int,
                   started: float, retryable: bool) -> dict:
-        return {
-            "id": request.id, "messages": request.messages, "reasoning_content": None,
-            "content": None, "finish_reason": None, "prompt_tokens": None,
-            "completion_tokens": None, "error": error,
-            "enable_thinking": self.sampling["enable_thinking"], "model": endpoint.model,
-            "server": endpoint.url, "attempts": attempts,
-            "latency_s": round(time.monotonic() - started, 3),
-            **request.stamp,
-            "retryable": retryable,
-        }
+        return {**Row(
+            id=request.id, messages=request.messages, error=error,
+            enable_thinking=self.sampling["enable_thinking"], model=endpoint.model, server=endpoint.url,
+            attempts=attempts, latency_s=round(time.monotonic() - started, 3),
+        ).to_dict(), **request.stamp, "retryable": retryable}
 
     async def converse(self, conversation: Conversation) -> dict:
         """The conversation's remaining turns, one request each, in order."""

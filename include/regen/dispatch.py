@@ -13,26 +13,19 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import httpx2
 
 from regen.config import RunConfig
+from regen.coordination import FairShare, SlotPool
 from regen.engines import Engine, engine, engine_of_server
-from regen.errors import RegenError
+from regen.errors import ShardFailed
 from regen.transport import StreamTransport
-
-if TYPE_CHECKING:
-    from regen.budget import NodeShare, SlotBudget
 
 log = logging.getLogger("regen.dispatch")
 # httpx2 logs every request at INFO: a million lines in a task log, and a measurable share of
 # the client's CPU per request.
 logging.getLogger("httpx2").setLevel(logging.WARNING)
-
-
-class ShardFailed(RegenError):
-    """The shard cannot finish now; what it finished is kept and a rerun resumes from it."""
 
 
 class AllServersDown(ShardFailed):
@@ -58,9 +51,9 @@ class Endpoint:
     url: str
     api_key: str | None = None
     engine: Engine | None = None
-    size: int = 1  # this server's budget on the node: its effective limit plus the queue margin
-    limit: int = 1  # the slots of that budget this process holds now
-    budget: "SlotBudget | None" = field(default=None, repr=False)
+    size: int = 1  # this server's request slots on the node: its effective limit plus the queue margin
+    limit: int = 1  # the request slots this process holds now
+    slots: "SlotPool | None" = field(default=None, repr=False)
     model: str | None = None
     served_path: str | None = None
     info: dict = field(default_factory=dict)
@@ -82,7 +75,7 @@ class Endpoint:
         url = httpx2.URL(self.url)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self.transport = StreamTransport(url.host, url.port or 80, slots + 2,
-                                         read_timeout=cfg.request_timeout_s, headers=headers)
+                                         read_timeout=cfg.generation.request_timeout_s, headers=headers)
 
     async def get_json(self, path: str, timeout: float = 10.0):
         """The JSON body of a GET that answered 200; ValueError otherwise."""
@@ -106,7 +99,7 @@ class ServerPool:
     makespan from the ideal.
     """
 
-    def __init__(self, endpoints: list[Endpoint], tuning: ClientTuning, share: "NodeShare | None" = None):
+    def __init__(self, endpoints: list[Endpoint], tuning: ClientTuning, share: "FairShare | None" = None):
         self.endpoints = endpoints
         self.tuning = tuning
         self.share = share
@@ -250,11 +243,12 @@ async def discover(url: str, api_key: str | None, cfg: RunConfig, tuning: Client
         endpoint.info = await _server_info(endpoint)
         endpoint.served_path = endpoint.served_path or endpoint.engine.served_model_path(endpoint.info)
     reported = endpoint.engine.effective_limit(endpoint.info, None)
+    wanted = cfg.generation.concurrency_per_server
     if reported:
-        budget = reported + cfg.queue_margin
-        endpoint.size = min(cfg.concurrency_per_server, budget) if cfg.concurrency_per_server else budget
+        budget = reported + cfg.generation.queue_margin
+        endpoint.size = min(wanted, budget) if wanted else budget
     else:
-        endpoint.size = cfg.concurrency_per_server or tuning.default_concurrency
+        endpoint.size = wanted or tuning.default_concurrency
     endpoint.limit = endpoint.size
     await endpoint.transport.aclose()
     endpoint.connect(cfg, endpoint.size)

@@ -48,3 +48,7 @@ class RemoteError(RegenError):
 
 class DataError(RegenError, ValueError):
     """Input data (a dataset, a prompt file) that cannot be read as asked; a usage error."""
+
+
+class ShardFailed(RegenError):
+    """The shard cannot finish now; what it finished is kept and a rerun resumes from it."""

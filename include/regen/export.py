@@ -11,14 +11,15 @@ markers) are left out and counted, so the file passes that validator as written.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from regen.audit import iter_batches
+from regen.chat.render import load_tokenizer
+from regen.chat.templates import TRAIN_TEMPLATES
+from regen.files import atomic_file
 from regen.layout import RunLayout
+from regen.rows import iter_batches
 
 THINK_MARKERS = ("<think>", "</think>")
 
@@ -95,7 +96,6 @@ class TokenMasker:
     the newline training adds after it)."""
 
     def __init__(self, tokenizer, template_name: str):
-        from regen.chat import TRAIN_TEMPLATES
 
         fmt = TRAIN_TEMPLATES[template_name].fmt
         encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
@@ -123,7 +123,6 @@ def export_tokens(data_dir: str | Path, out: str | Path, tokenizer_dir: str | Pa
                   template_name: str = "qwen3-thinking") -> ExportResult:
     """``{"id", "input_ids", "loss_mask"}`` per conversation, from the tokens the engine returned:
     what offline drafter training (EAGLE-3, DFlash) reads, with no re-tokenized text in it."""
-    from regen.chat import load_tokenizer
 
     masker = TokenMasker(load_tokenizer(str(tokenizer_dir)), template_name)
 
@@ -143,19 +142,13 @@ def _export(data_dir: str | Path, out: str | Path, record) -> ExportResult:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = ExportResult(out)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            for rows in iter_batches(RunLayout.from_data_arg(data_dir)):
-                for row in rows:
-                    doc, reason = record(row)
-                    if reason:
-                        result.left_out[reason] += 1
-                        continue
-                    fh.write(json.dumps(doc, ensure_ascii=False) + "\n")
-                    result.written += 1
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(out) as fh:
+        for rows in iter_batches(RunLayout.from_data_arg(data_dir)):
+            for row in rows:
+                doc, reason = record(row)
+                if reason:
+                    result.left_out[reason] += 1
+                    continue
+                fh.write(json.dumps(doc, ensure_ascii=False) + "\n")
+                result.written += 1
     return result

@@ -16,19 +16,23 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
 
-from regen.budget import NodeShare
+from regen.alerts import check_overdue
 from regen.client import Generator
 from regen.config import RunConfig
-from regen.dispatch import ClientTuning, ServerPool, ShardFailed, open_endpoints, scrape_metrics
-from regen.layout import RunLayout
-from regen.manifest import Manifest, ShardPrompts, prompt_hash, settings_hash, template_kwargs
-from regen.progress import RunProgress, format_duration
+from regen.coordination import FairShare
+from regen.dispatch import ClientTuning, ServerPool, open_endpoints, scrape_metrics
+from regen.errors import ShardFailed
+from regen.layout import RunLayout, shard_key
+from regen.manifest import Manifest, ShardPrompts, model_fingerprint, prompt_hash, settings_hash, template_kwargs
+from regen.placement import servers_for
+from regen.progress import RunProgress
 from regen.prompts import Prompt, PromptError, read_at
+from regen.results import ShardResult
 from regen.store import Journal, ShardStore
 from regen.turns import Conversation
+from regen.units import format_duration
 
 log = logging.getLogger("regen.generate")
 
@@ -42,27 +46,6 @@ def served_identity(endpoints: list) -> str:
         raise ShardFailed(f"the servers serve different models ({'; '.join(sorted(seen))}); a dataset "
                           f"comes from one model")
     return "served:" + hashlib.sha256(seen.pop().encode()).hexdigest()[:16]
-
-
-@dataclass
-class ShardResult:
-    shard: int
-    num_shards: int
-    total: int
-    done: int
-    failed: int
-    skipped: int
-    bad_records: int
-    seconds: float
-    tokens: int
-    path: str | None
-
-    def summary(self) -> str:
-        rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
-        return (f"shard {self.shard}/{self.num_shards}: {self.done + self.skipped:,}/{self.total:,} rows "
-                f"({self.skipped:,} from earlier runs), {self.failed:,} failed, "
-                f"{self.bad_records:,} unreadable records, {rate:,.0f} tok/s, "
-                f"{format_duration(self.seconds)}")
 
 
 class ShardRun:
@@ -86,7 +69,7 @@ class ShardRun:
         self.rebuild_index = rebuild_index
         self.expected_models = expected_models or {}
         self.layout = cfg.layout
-        self.store = ShardStore(self.layout, shard, cfg.num_shards)
+        self.store = ShardStore(self.layout, shard, cfg.generation.num_shards)
         self.progress = RunProgress(self.layout)
         self.manifest = Manifest(self.layout)
         self.model_identity = model_identity
@@ -106,7 +89,7 @@ class ShardRun:
     def _report_bad(self, doc: dict) -> int:
         """Unreadable records of the prompt file that fall to this shard, listed with file:line."""
         bad = [text for line, text in (doc.get("prompts") or {}).get("unreadable", [])
-               if line % self.cfg.num_shards == self.shard]
+               if line % self.cfg.generation.num_shards == self.shard]
         if not bad:
             return 0
         self.store.errors_path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,7 +106,7 @@ class ShardRun:
         those with the most turns still to make first, as they are the longest chains of
         requests, then in file order. A conversation cut mid-way resumes after its last turn."""
         kwargs = template_kwargs(self.cfg)
-        all_turns = self.cfg.regenerate_turns == "all"
+        all_turns = self.cfg.generation.regenerate_turns == "all"
 
         def left(i: str) -> int:
             return prompts.turns[i] - len(resumed.get(i, ())) if all_turns else 1
@@ -148,7 +131,7 @@ class ShardRun:
             async with open_endpoints(self.endpoints, self.cfg, self.tuning, self.expected_models) as eps:
                 self.eps = eps
                 identity = self.model_identity or served_identity(eps)
-                self.settings_hash = settings_hash(identity, self.cfg.sampling())
+                self.settings_hash = settings_hash(identity, self.cfg.sampling_settings())
                 self.manifest.update(settings_hash=self.settings_hash, model_identity=identity)
                 settled, file_ids = self.store.settled(prompts.hashes, self.settings_hash)
                 total, skipped = len(prompts.ids), len(settled)
@@ -157,11 +140,10 @@ class ShardRun:
                     log.info("%s is up to date: every prompt has a good row of this run's prompts, "
                              "model and settings (%s); nothing to send", self.store.name, self.store.final)
                     self.progress.write_shard(self.shard, {
-                        "state": "done", "shard": self.shard, "num_shards": self.cfg.num_shards,
+                        "state": "done", "shard": self.shard, "num_shards": self.cfg.generation.num_shards,
                         "total": total, "done": total, "failed": 0, "sent": 0, "tokens_per_s": 0.0,
                         "eta_s": 0, "servers": {}})
-                    return ShardResult(self.shard, self.cfg.num_shards, total, 0, 0, total, bad, 0.0, 0,
-                                       str(self.store.final))
+                    return self._result(total, 0, 0, total, bad, 0.0, 0)
                 log.info("%s: %d prompts, %d already have a row, %d to send", self.store.name, total,
                          skipped, total - skipped)
                 pending = set(prompts.ids) - settled
@@ -170,10 +152,10 @@ class ShardRun:
                     log.info("%s: %d conversations resume after their last finished turn", self.store.name,
                              len(set(resumed) & pending))
                 journal = Journal(self.store.journal_path)
-                share = NodeShare(self.layout, f"shard-{self.shard:05d}", self.run_id, eps)
+                share = FairShare(self.layout, shard_key(self.shard), self.run_id, eps)
                 pool = ServerPool(eps, self.tuning, share)
                 pool.demand = sum(prompts.turns[i] - len(resumed.get(i, ())) for i in pending) \
-                    if self.cfg.regenerate_turns == "all" else len(pending)
+                    if self.cfg.generation.regenerate_turns == "all" else len(pending)
                 self.gen = Generator(pool, self.cfg, self.tuning, lambda row: self._sink(journal, row),
                                      lambda row: self._append(journal, row))
                 self._report()
@@ -195,12 +177,17 @@ class ShardRun:
             raise ShardFailed(f"{self.store.name}: cannot write {self.store.final.name}: "
                               f"{exc.strerror or exc}; data/ is unchanged and the journal is kept") from exc
         elapsed = time.monotonic() - self.started
-        result = ShardResult(self.shard, self.cfg.num_shards, total, self.gen.done, self.gen.failed,
-                             skipped, bad, elapsed, self.gen.tokens, str(self.store.final))
+        result = self._result(total, self.gen.done, self.gen.failed, skipped, bad, elapsed, self.gen.tokens)
         data = self._report("done")
         data.update(tokens_per_s=round(self.gen.tokens / elapsed, 1) if elapsed > 0 else 0.0, eta_s=0)
         self.progress.write_shard(self.shard, data)
         return result
+
+    def _result(self, total: int, done: int, failed: int, skipped: int, bad: int, seconds: float,
+                tokens: int) -> ShardResult:
+        return ShardResult(shard=self.shard, num_shards=self.cfg.generation.num_shards, total=total, done=done,
+                           failed=failed, skipped=skipped, bad_records=bad, seconds=seconds, tokens=tokens,
+                           path=str(self.store.final), node=self.cfg.this_node().name)
 
     def _append(self, journal: Journal, row: dict) -> None:
         try:
@@ -217,11 +204,11 @@ class ShardRun:
             self._check_errors()
 
     def _check_errors(self) -> None:
-        bound = self.cfg.max_error_fraction * max(self.total, 1)
+        bound = self.cfg.generation.max_error_fraction * max(self.total, 1)
         if self.gen.failed > bound and self.gen.failed >= 1:
             raise ShardFailed(
                 f"{self.store.name}: {self.gen.failed} of {self.total} prompts failed (more than "
-                f"max_error_fraction {self.cfg.max_error_fraction:.0%}); last errors in "
+                f"max_error_fraction {self.cfg.generation.max_error_fraction:.0%}); last errors in "
                 f"{self.store.journal_path}; finished rows are kept"
             )
 
@@ -230,8 +217,8 @@ class ShardRun:
         rows_s, tok_s = gen.rates()
         left = self.total - self.skipped - gen.done - gen.failed
         data = {
-            "state": state, "shard": self.shard, "num_shards": self.cfg.num_shards,
-            "node": self.cfg.node or "local",
+            "state": state, "shard": self.shard, "num_shards": self.cfg.generation.num_shards,
+            "node": self.cfg.this_node().name,
             "total": self.total, "done": self.skipped + gen.done, "failed": gen.failed,
             "sent": gen.done + gen.failed, "tokens": gen.tokens,
             "started_at": round(self.started_wall, 2),
@@ -244,21 +231,19 @@ class ShardRun:
         return data
 
     async def _reporter(self) -> None:
-        from regen.alerts import check_overdue
-
         while True:
             await asyncio.sleep(self.tuning.progress_interval_s)
             await asyncio.gather(*(scrape_metrics(e) for e in self.eps))
             data = self._report()
             check_overdue(self.layout)
             log.info("shard %d/%d: %s/%s done, %d failed, %s tok/s, ETA %s", self.shard,
-                     self.cfg.num_shards, f"{data['done']:,}", f"{self.total:,}", data["failed"],
+                     self.cfg.generation.num_shards, f"{data['done']:,}", f"{self.total:,}", data["failed"],
                      f"{data['tokens_per_s']:,.0f}", format_duration(data["eta_s"]))
 
 
-def generate(cfg: RunConfig, shard: int, endpoints: list[str] | None = None,
-             model_from: str = "servers", strict_index: bool = False, run_id: str | None = None,
-             give_up_after_s: float | None = None) -> dict:
+def generate_shard(cfg: RunConfig, shard: int, endpoints: list[str] | None = None,
+                   model_from: str = "servers", strict_index: bool = False, run_id: str | None = None,
+                   give_up_after_s: float | None = None) -> ShardResult:
     """The generate stage. Default: the servers start_servers recorded, and the model identity it
     recorded (the fingerprint of the copy they loaded); with ``run_id`` (a DAG shard), servers
     that are gone are brought up here first, so any retry path resumes the shard.
@@ -268,14 +253,10 @@ def generate(cfg: RunConfig, shard: int, endpoints: list[str] | None = None,
     the prompt file is indexed here when needed. ``give_up_after_s``: how long every server may
     be down before the shard fails (a run over several nodes retries it on another)."""
     if endpoints:
-        from regen.stage import model_fingerprint
-
-        pairs = [(url, cfg.api_key) for url in endpoints]
+        pairs = [(url, cfg.servers.api_key) for url in endpoints]
         identity = model_fingerprint(cfg.model_path) if model_from == "model_path" else None
         expected: dict[str, str] = {}
     else:
-        from regen.servers import servers_for
-
         records = servers_for(cfg, run_id)
         identities = {r.model_fingerprint for r in records}
         if len(identities) != 1 or None in identities:
@@ -286,25 +267,22 @@ def generate(cfg: RunConfig, shard: int, endpoints: list[str] | None = None,
         expected = {r.url: r.served_model for r in records if r.served_model}
     with _progress_bar() as on_row:
         tuning = ClientTuning(all_down_timeout_s=give_up_after_s) if give_up_after_s else None
-        result = ShardRun(cfg, pairs, shard, identity, tuning=tuning, on_row=on_row,
-                          rebuild_index=not strict_index, expected_models=expected, run_id=run_id or "cli").run()
-    return {**asdict(result), "summary": result.summary()}
+        return ShardRun(cfg, pairs, shard, identity, tuning=tuning, on_row=on_row,
+                        rebuild_index=not strict_index, expected_models=expected, run_id=run_id or "cli").run()
 
 
 def shards_to_run(cfg: RunConfig) -> list[int]:
     """The shards with work left for this config's model (as staged: the fingerprint of its
     directory) and settings, from the manifest preflight just wrote; none when a scheduled run
     finds nothing new, so that no server starts. Every shard when the model is not here."""
-    from regen.stage import model_fingerprint
-
     identity = model_fingerprint(cfg.model_path)
     if identity is None:
-        return list(range(cfg.num_shards))
-    wanted = settings_hash(identity, cfg.sampling())
+        return list(range(cfg.generation.num_shards))
+    wanted = settings_hash(identity, cfg.sampling_settings())
     layout, manifest = RunLayout(cfg.output), Manifest(RunLayout(cfg.output))
     left = []
-    for shard in range(cfg.num_shards):
-        store, prompts = ShardStore(layout, shard, cfg.num_shards), manifest.shard_prompts(shard)
+    for shard in range(cfg.generation.num_shards):
+        store, prompts = ShardStore(layout, shard, cfg.generation.num_shards), manifest.shard_prompts(shard)
         if not store.complete(prompts.ids, *store.settled(prompts.hashes, wanted)):
             left.append(shard)
     return left
@@ -340,8 +318,8 @@ def generate_rows(cfg: RunConfig, prompts: list[Prompt], endpoints: list[tuple[s
     async def run() -> tuple[list[dict], int]:
         rows: list[dict] = []
         async with open_endpoints(endpoints, cfg, tuning) as eps:
-            pool = ServerPool(eps, tuning, NodeShare(cfg.layout, "canary", "", eps))
-            conversations = [Conversation(p.id, p.messages, all_turns=cfg.regenerate_turns == "all")
+            pool = ServerPool(eps, tuning, FairShare(cfg.layout, "canary", "", eps))
+            conversations = [Conversation(p.id, p.messages, all_turns=cfg.generation.regenerate_turns == "all")
                              for p in prompts]
             pool.demand = sum(c.turn_count for c in conversations)
             try:

@@ -5,18 +5,21 @@
     OUTPUT/
       data/shard-IIIII-of-NNNNN.parquet   the dataset (a shard's file appears when it is complete)
       progress.json                       done / failed / total, throughput, ETA; atomic
-      audit/report.html, summary.json, samples.parquet
+      audit/                              report.html, summary.json, samples.parquet, samples_view.json
       work/                               what is in progress, never half-written into data/
-        manifest.json                     the run manifest (prompts, model, settings)
-        prompt-index.parquet              per prompt: id, shard, hash, where it is in the file
+        manifest.json, manifest.lock      the run manifest (prompts, model, settings)
+        prompt-index.parquet, index.lock  per prompt: id, shard, hash, where it is in the file
         journal/shard-*.jsonl             rows of shards in progress
         locks/shard-*.lock                one generator per shard
         errors/shard-*.txt                unreadable prompt records, file:line
-        servers/                          servers.json, server-I.log, leases/, the node lock
+        servers/                          servers.json, servers.lock, server-I.log, watchdog.*,
+                                          leases/NAME.lease, slots/HOST-PORT/slot-NNNN
         nodes/NODE/                       the same, per node of a run over several nodes
-        claims/NODE/                      the shards generating on each node now
+        claims/NODE/slot-NNNN             the shards generating on each node now
         progress/                         each writer's part of progress.json, history.jsonl
         alerts/                           markers of alerts already sent
+
+Who holds which lock and what happens when the holder dies: :mod:`regen.coordination`.
 """
 
 from __future__ import annotations
@@ -29,7 +32,17 @@ _SHARD_FILE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.parquet$")
 
 
 def shard_name(shard: int, num_shards: int) -> str:
+    """A shard's files: ``shard-00003-of-00016``."""
     return f"shard-{shard:05d}-of-{num_shards:05d}"
+
+
+def shard_key(shard: int) -> str:
+    """A shard's part of progress.json and its lease: ``shard-00003``."""
+    return f"shard-{shard:05d}"
+
+
+def is_shard_key(name: str) -> bool:
+    return re.fullmatch(r"shard-\d{5}", name) is not None
 
 
 def parse_shard_file(name: str) -> tuple[int, int] | None:
@@ -39,9 +52,32 @@ def parse_shard_file(name: str) -> tuple[int, int] | None:
 
 
 @dataclass(frozen=True)
+class AuditFiles:
+    """The audit's report directory (``OUTPUT/audit``, or the one ``--report`` names)."""
+
+    root: Path
+
+    @property
+    def report_html(self) -> Path:
+        return self.root / "report.html"
+
+    @property
+    def summary_json(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def samples_parquet(self) -> Path:
+        return self.root / "samples.parquet"
+
+    @property
+    def samples_view_json(self) -> Path:
+        return self.root / "samples_view.json"
+
+
+@dataclass(frozen=True)
 class RunLayout:
     root: Path
-    node: str | None = None  # a node of a run over several: its servers have their own folder
+    node: str | None = None  # a listed node of a run: its servers have their own folder
 
     def __init__(self, root: str | Path, node: str | None = None):
         object.__setattr__(self, "root", Path(root))
@@ -59,6 +95,10 @@ class RunLayout:
     @property
     def data(self) -> Path:
         return self.root / "data"
+
+    def asset_uri(self, ssh_conn_id: str | None = None) -> str:
+        """The dataset's Airflow Asset: its data/ folder (on an SSH node, named by its connection)."""
+        return f"file://{ssh_conn_id or ''}{self.data}"
 
     def shard_file(self, shard: int, num_shards: int) -> Path:
         return self.data / f"{shard_name(shard, num_shards)}.parquet"
@@ -79,20 +119,8 @@ class RunLayout:
         return self.root / "progress.json"
 
     @property
-    def audit(self) -> Path:
-        return self.root / "audit"
-
-    @property
-    def report_html(self) -> Path:
-        return self.audit / "report.html"
-
-    @property
-    def summary_json(self) -> Path:
-        return self.audit / "summary.json"
-
-    @property
-    def samples_parquet(self) -> Path:
-        return self.audit / "samples.parquet"
+    def audit(self) -> AuditFiles:
+        return AuditFiles(self.root / "audit")
 
     # --- work in progress ----------------------------------------------------------------
     @property
@@ -104,8 +132,16 @@ class RunLayout:
         return self.work / "manifest.json"
 
     @property
+    def manifest_lock(self) -> Path:
+        return self.work / "manifest.lock"
+
+    @property
     def prompt_index(self) -> Path:
         return self.work / "prompt-index.parquet"
+
+    @property
+    def index_lock(self) -> Path:
+        return self.work / "index.lock"
 
     def journal(self, shard: int, num_shards: int) -> Path:
         return self.work / "journal" / f"{shard_name(shard, num_shards)}.jsonl"
@@ -124,7 +160,7 @@ class RunLayout:
         return self.work / "nodes" / node
 
     def node_claims(self, node: str) -> Path:
-        """Slots of the shards generating on a node now (:mod:`regen.nodes`)."""
+        """Slots of the shards generating on a node now."""
         return self.work / "claims" / node
 
     @property
@@ -142,6 +178,13 @@ class RunLayout:
     def leases(self) -> Path:
         return self.servers / "leases"
 
+    def lease(self, name: str) -> Path:
+        return self.leases / f"{name}.lease"
+
+    def request_slots(self, url: str) -> Path:
+        """The request slots of the server at ``url``."""
+        return self.servers / "slots" / url.split("//", 1)[-1].replace(":", "-").replace("/", "_")
+
     @property
     def watchdog_log(self) -> Path:
         return self.servers / "watchdog.log"
@@ -157,14 +200,6 @@ class RunLayout:
     def progress_part(self, name: str) -> Path:
         return self.progress_parts / f"{name}.json"
 
-    @staticmethod
-    def shard_part(shard: int) -> str:
-        return f"shard-{shard:05d}"
-
-    @staticmethod
-    def is_shard_part(name: str) -> bool:
-        return re.fullmatch(r"shard-\d{5}", name) is not None
-
     @property
     def history(self) -> Path:
         return self.progress_parts / "history.jsonl"
@@ -172,3 +207,7 @@ class RunLayout:
     @property
     def alerts(self) -> Path:
         return self.work / "alerts"
+
+    def alert_marker(self, name: str) -> Path:
+        """Present once the alert ``name`` has been sent (an alert that must go out once)."""
+        return self.alerts / name

@@ -13,12 +13,9 @@ prompts regenerates, and deleted prompts leave the dataset.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import os
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,13 +23,17 @@ from typing import Any
 import msgspec
 
 from regen.config import RunConfig
+from regen.coordination import FileLock
 from regen.errors import RegenError
+from regen.files import atomic_path, atomic_write_json, read_json
 from regen.layout import RunLayout
-from regen.progress import atomic_write_json, read_json
+from regen.prompts import PromptError, read_prompts, shard_of
 from regen.turns import user_turns
 
 INDEX_SCHEMA_FIELDS = ("id", "shard", "prompt_hash", "line", "offset", "turns")
 INDEX_VERSION = 2  # an index written by an older regen (no turns) is rebuilt
+STAGED_COPY_RECORD = ".regen-manifest.json"  # a staged copy's record of its source (regen.weights)
+SMALL_FILE = 64 * 1024 * 1024  # hashed whole; larger files by size and their ends
 
 
 class ManifestError(RegenError):
@@ -56,6 +57,30 @@ def settings_hash(model_identity: str | None, sampling: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def model_fingerprint(model_dir: str | Path) -> str | None:
+    """What makes two generations comparable: the model's config, tokenizer and chat template
+    (contents) and its weight files (names, sizes, and their first and last MiB: a retrained
+    checkpoint of the same shape differs there, a copy does not). None when the directory is not
+    here."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name != STAGED_COPY_RECORD):
+        rel = str(path.relative_to(model_dir))
+        digest.update(rel.encode())
+        size = path.stat().st_size
+        if path.suffix in (".json", ".jinja", ".txt", ".model") and size <= SMALL_FILE:
+            digest.update(path.read_bytes())
+            continue
+        digest.update(str(size).encode())
+        with open(path, "rb") as fh:
+            digest.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            digest.update(fh.read(1 << 20))
+    return digest.hexdigest()[:16]
+
+
 def prompt_file_stat(path: str | Path) -> dict[str, Any]:
     st = Path(path).stat()
     return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
@@ -68,11 +93,8 @@ class PromptIndexWriter:
     UNREADABLE_KEPT = 10_000
 
     def __init__(self, cfg: RunConfig):
-        from regen.prompts import shard_of
-
         self.cfg = cfg
         self.kwargs = template_kwargs(cfg)
-        self.shard_of = shard_of
         self.columns: dict[str, list] = {name: [] for name in INDEX_SCHEMA_FIELDS}
         self.first_line: dict[str, int] = {}
         self.unreadable: list[tuple[int, str]] = []  # (line, "file:line: reason")
@@ -80,8 +102,6 @@ class PromptIndexWriter:
 
     def feed(self, item) -> str | None:
         """Index a prompt; for a record that cannot be sent, the problem line (file:line)."""
-        from regen.prompts import PromptError
-
         if isinstance(item, PromptError):
             problem, line = str(item), item.line
         elif item.id in self.first_line:
@@ -100,7 +120,7 @@ class PromptIndexWriter:
     def add(self, prompt) -> None:
         c = self.columns
         c["id"].append(prompt.id)
-        c["shard"].append(self.shard_of(prompt.id, self.cfg.num_shards))
+        c["shard"].append(shard_of(prompt.id, self.cfg.generation.num_shards))
         c["prompt_hash"].append(prompt_hash(prompt.messages, self.kwargs))
         c["line"].append(prompt.line)
         c["offset"].append(prompt.offset)
@@ -121,10 +141,8 @@ class PromptIndexWriter:
             "turns": pa.array(self.columns["turns"], pa.int32()),
         })
         table = table.take(pc.sort_indices(table, [("shard", "ascending"), ("line", "ascending")]))
-        layout.work.mkdir(parents=True, exist_ok=True)
-        tmp = layout.prompt_index.with_suffix(".tmp")
-        pq.write_table(table, tmp, row_group_size=64 * 1024, compression="zstd")
-        os.replace(tmp, layout.prompt_index)
+        with atomic_path(layout.prompt_index) as tmp:
+            pq.write_table(table, tmp, row_group_size=64 * 1024, compression="zstd")
         return table.num_rows
 
 
@@ -147,22 +165,15 @@ class Manifest:
     def read(self) -> dict[str, Any]:
         return read_json(self.layout.manifest) or {}
 
-    @contextmanager
-    def _locked(self, name: str = "manifest"):
-        self.layout.work.mkdir(parents=True, exist_ok=True)
-        with open(self.layout.work / f"{name}.lock", "a") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            yield
-
     def update(self, **sections: Any) -> dict[str, Any]:
-        with self._locked():
+        with FileLock(self.layout.manifest_lock):
             doc = {**self.read(), **sections, "updated": time.time()}
             atomic_write_json(self.layout.manifest, doc)
         return doc
 
     def write_prompts(self, cfg: RunConfig, index: PromptIndexWriter, run_id: str) -> dict[str, Any]:
         count = index.write(self.layout)
-        return self.update(run_id=run_id, num_shards=cfg.num_shards, sampling=cfg.sampling(),
+        return self.update(run_id=run_id, num_shards=cfg.generation.num_shards, sampling=cfg.sampling_settings(),
                            index_version=INDEX_VERSION,
                            prompts={**prompt_file_stat(cfg.prompts), "count": count,
                                     "chat_template_kwargs": template_kwargs(cfg),
@@ -177,7 +188,7 @@ class Manifest:
         if not self.layout.prompt_index.exists() or not Path(cfg.prompts).exists():
             return None
         if ({k: prompts.get(k) for k in ("path", "size", "mtime_ns")} != prompt_file_stat(cfg.prompts)
-                or doc.get("num_shards") != cfg.num_shards or doc.get("index_version") != INDEX_VERSION
+                or doc.get("num_shards") != cfg.generation.num_shards or doc.get("index_version") != INDEX_VERSION
                 or prompts.get("chat_template_kwargs") != template_kwargs(cfg)):
             return None
         return doc
@@ -194,12 +205,10 @@ class Manifest:
                 f"{cfg.prompts} changed since preflight indexed it for this run (or the index in "
                 f"{self.layout.work} is missing): the dataset would mix prompt sets. Clear the whole "
                 f"run, preflight included, to regenerate from the file as it is now")
-        with self._locked("index"):  # shards started together index the file once
+        with FileLock(self.layout.index_lock):  # shards started together index the file once
             doc = self.current_for(cfg)
             if doc is not None:
                 return doc
-            from regen.prompts import read_prompts
-
             index = PromptIndexWriter(cfg)
             for item in read_prompts(cfg.prompts):
                 index.feed(item)

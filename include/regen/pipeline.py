@@ -1,43 +1,31 @@
-"""The one seam between the stages and where they run.
+"""The one seam between what asks for a stage (a DAG task, a CLI command) and where it runs.
 
-Each stage is a plain function of a RunConfig in its own module (``regen.preflight.preflight``,
-``regen.generate.generate``, ...) that does the work where it runs and returns one JSON result
-document. :func:`run` executes it here, or, when the config names an SSH node, on that node,
-where the node's ``regen run-stage`` calls the very same function and sends its result document
-back on a line marked with a one-time token (:mod:`regen.remote`): whatever else the node prints
-cannot be taken for the result. A stage's expected failure (a :class:`regen.errors.RegenError`)
-is raised here as the same exception, wherever the stage ran.
+A caller names a stage and hands over the run's config; :func:`run` decides where the stage
+runs (:class:`regen.stages.Where`): here, on the run's SSH node, on one node of the run, on the
+node a shard claims, or on every node; it brings nothing up and tears nothing down that the
+stage's placement does not say. On an SSH node the node's ``regen run-stage`` runs the very same
+function and sends its result back on a line marked with a one-time token (:mod:`regen.remote`).
+A stage's result is its typed document (regen.results), read back into the same type wherever
+the stage ran; its expected failure (a :class:`regen.errors.RegenError`) is raised here as the
+same exception.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import logging
 import traceback
-from typing import Any, Callable
+from typing import Any
 
-from regen.config import RunConfig
+from regen.config import NodeSpec, RunConfig
 from regen.errors import RegenError
+from regen.placement import NODE_LOST_AFTER_S, claim_node
+from regen.remote import run_stage
+from regen.results import StageResult
+from regen.stages import Stage, Where, stage
 
 log = logging.getLogger("regen")
-
-# Every function that may run as a stage, local or remote: a node runs nothing else by name.
-STAGES = frozenset({
-    "regen.preflight:preflight",
-    "regen.preflight:node_preflight",
-    "regen.stage:stage_weights",
-    "regen.servers:serve",
-    "regen.servers:stop",
-    "regen.servers:logs",
-    "regen.canary:canary",
-    "regen.generate:generate",
-    "regen.audit:audit",
-    "regen.progress:progress",
-})
-
-Stage = Callable[..., dict]
 
 
 @contextlib.contextmanager
@@ -51,52 +39,76 @@ def log_group(title: str):
         log.info("::endgroup::")
 
 
-def stage_id(stage: Stage) -> str:
-    sid = f"{stage.__module__}:{stage.__name__}"
-    if sid not in STAGES:
-        raise ValueError(f"{sid} is not a stage")
-    return sid
-
-
-def resolve(sid: str) -> Stage:
-    if sid not in STAGES:
-        raise ValueError(f"{sid!r} is not a stage (known: {', '.join(sorted(STAGES))})")
-    module, name = sid.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def run(stage: Stage, cfg: RunConfig, **kwargs: Any) -> dict:
-    """Run ``stage`` where the config says; its result document, or its RegenError raised."""
-    sid = stage_id(stage)
-    where = cfg.ssh_conn_id
-    with log_group(f"{stage.__name__}" + (f" on {where}" if where else "")):
-        if where:
-            from regen.remote import run_stage
-
-            doc = run_stage(cfg, sid, kwargs)
-            if not doc.get("ok"):
-                raise RegenError.from_doc(doc.get("error") or {}, where=where)
-            result = doc["result"]
-        else:
-            result = _as_document(stage(cfg, **kwargs))
-    summary = result.get("summary")
-    for line in summary if isinstance(summary, list) else [summary] if summary else []:
+def run(name: str, cfg: RunConfig, node: str | None = None, run_id: str | None = None,
+        **kwargs: Any) -> StageResult:
+    """Run the stage ``name`` where its placement says; its result, or its RegenError raised.
+    ``node``: which of the run's nodes, for a per-node stage (default: the run's first node).
+    ``run_id``: the DAG run that owns what the stage starts (the CLI's own is "cli")."""
+    entry = stage(name)
+    if entry.takes_run_id and run_id is not None:
+        kwargs["run_id"] = run_id
+    if entry.where is Where.NODE:
+        result = _run_at(entry, cfg.for_node(_spec(cfg, node)), kwargs)
+    elif entry.where is Where.CLAIM and not kwargs.get("endpoints"):
+        with claim_node(cfg, kwargs["shard"]) as spec:
+            if not spec.is_run_node:
+                kwargs.setdefault("give_up_after_s", NODE_LOST_AFTER_S)
+            result = _run_at(entry, cfg.for_node(spec), kwargs)
+    elif entry.where is Where.EVERY_NODE:
+        result = entry.result.merged([_run_at(entry, cfg.for_node(spec), kwargs) for spec in cfg.node_specs()])
+    else:
+        if entry.where is Where.AFTER_GENERATION and run_id is not None:
+            _stop_servers_shards_started(cfg, run_id)
+        result = _run_at(entry, cfg, kwargs)
+    for line in result.summary_lines():
         log.info("%s", line)
     return result
 
 
-def execute(sid: str, cfg: RunConfig, kwargs: dict) -> dict:
+def _spec(cfg: RunConfig, node: str | None) -> NodeSpec:
+    specs = cfg.node_specs()
+    if node is None:
+        return cfg.this_node()
+    found = [s for s in specs if s.name == node] or ([] if cfg.nodes else specs)  # the run's own node
+    if not found:  # goes by the machine's name, which may be another machine's where the DAG was parsed
+        raise RegenError(f"node {node!r} is not one of this run's nodes ({', '.join(s.name for s in specs)})")
+    return found[0]
+
+
+def _stop_servers_shards_started(cfg: RunConfig, run_id: str) -> None:
+    """Generation is over: the run's own servers go, also when a shard brought them up itself
+    after the teardown had run (a run cleared with "only failed" does not run the teardown
+    again). A listed node's shards never start servers, and its teardown runs on that node."""
+    own = [spec for spec in cfg.node_specs() if spec.is_run_node]
+    for spec in own:
+        _run_at(stage("stop_servers"), cfg.for_node(spec), {"run_id": run_id})
+
+
+def _run_at(entry: Stage, cfg: RunConfig, kwargs: dict[str, Any]) -> StageResult:
+    """The stage with this (node's) config: here, or on its SSH node."""
+    where = cfg.ssh_conn_id
+    with log_group(entry.name + (f" on {where}" if where else "") + (f" (node {cfg.node})" if cfg.node else "")):
+        if where:
+            doc = run_stage(cfg, entry.name, kwargs)
+            if not doc.get("ok"):
+                raise RegenError.from_doc(doc.get("error") or {}, where=where)
+            return entry.result.model_validate(doc["result"])
+        return entry.result.model_validate(_as_document(entry.function()(cfg, **kwargs)))
+
+
+def execute(name: str, cfg: RunConfig, kwargs: dict) -> dict:
     """What a node does for :func:`run`: the stage here, its outcome as one document."""
     try:
-        return {"stage": sid, "ok": True, "result": _as_document(resolve(sid)(cfg, **kwargs))}
+        entry = stage(name)
+        return {"stage": name, "ok": True, "result": _as_document(entry.function()(cfg, **kwargs))}
     except RegenError as exc:
-        return {"stage": sid, "ok": False, "error": exc.to_doc()}
+        return {"stage": name, "ok": False, "error": exc.to_doc()}
     except Exception as exc:  # a bug: its type, message and traceback reach the Airflow side
-        return {"stage": sid, "ok": False, "error": {
+        return {"stage": name, "ok": False, "error": {
             "type": type(exc).__name__, "message": f"{exc}\n{traceback.format_exc(limit=8)}",
             "detail": {}}}
 
 
-def _as_document(result: dict) -> dict:
+def _as_document(result: StageResult) -> dict:
     """Exactly what would cross the wire: a stage's result means the same everywhere."""
-    return json.loads(json.dumps(result, default=str))
+    return json.loads(json.dumps(result.model_dump(mode="json"), default=str))

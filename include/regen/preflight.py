@@ -22,17 +22,13 @@ from pathlib import Path
 from regen.config import RunConfig
 from regen.engines import engine
 from regen.errors import RegenError
-from regen.layout import RunLayout, parse_shard_file
+from regen.layout import parse_shard_file
 from regen.paths import DAGS_DIR, PACKAGE_DIR
-from regen.progress import format_bytes
+from regen.results import PreflightResult, StagedModel
+from regen.stages import entry_modules
+from regen.units import format_bytes
 
 log = logging.getLogger("regen.preflight")
-
-# The modules each stage imports; importing them in a fresh interpreter proves they load.
-ENTRY_POINTS = ("regen.cli", "regen.pipeline", "regen.remote", "regen.stage", "regen.servers",
-                "regen.engines", "regen.sim", "regen.canary", "regen.client", "regen.dispatch",
-                "regen.store", "regen.transport", "regen.generate", "regen.audit", "regen.chat",
-                "regen.export", "regen.progress", "regen.manifest", "regen.procs", "regen.report")
 
 # Runs in the target interpreter: compiles each file, prints one JSON problem per failure.
 _COMPILE_SCRIPT = r"""
@@ -88,9 +84,11 @@ def code_files(extra: list[str] | None = None) -> list[Path]:
 
 
 def check_code(python: str = sys.executable, files: list[Path] | None = None,
-               entry_points: tuple[str, ...] = ENTRY_POINTS) -> list[str]:
-    """Compile, then import, in a fresh ``python``: what the stages will really run."""
+               entry_points: list[str] | None = None) -> list[str]:
+    """Compile, then import, in a fresh ``python``: what the stages will really run (default:
+    every module of the stage registry and every program regen starts)."""
     files = files if files is not None else code_files()
+    entry_points = entry_points if entry_points is not None else entry_modules()
     try:
         out = subprocess.run([python, "-c", _COMPILE_SCRIPT, *map(str, files)], capture_output=True,
                              text=True, timeout=120)
@@ -171,11 +169,11 @@ def check_model(cfg: RunConfig, report: PreflightReport) -> None:
         report.problems.append(f"model_path {model}/config.json: unreadable: {exc}")
         return
     report.info["model_bytes"] = sum(f.stat().st_size for f in model.rglob("*") if f.is_file())
-    context = cfg.context_length or model_cfg.get("max_position_embeddings")
+    context = cfg.engine_options.context_length or model_cfg.get("max_position_embeddings")
     if not (model / "tokenizer.json").is_file():
         report.problems.append(f"model_path {model}: no tokenizer.json (the audit needs a fast tokenizer)")
         return
-    from regen.chat import load_tokenizer, render_generation_prompt, template_problems
+    from regen.chat.render import load_tokenizer, render_generation_prompt, template_problems
 
     try:
         tokenizer = load_tokenizer(str(model))
@@ -193,34 +191,34 @@ def check_model(cfg: RunConfig, report: PreflightReport) -> None:
         except Exception:  # template errors are reported above
             return
         report.info["longest_prompt_tokens"] = prompt_tokens
-        if prompt_tokens + cfg.max_tokens > context:
+        if prompt_tokens + cfg.sampling.max_tokens > context:
             report.problems.append(
-                f"max_tokens {cfg.max_tokens} + longest prompt ({longest.id!r}, {prompt_tokens} "
-                f"tokens) = {prompt_tokens + cfg.max_tokens} passes the context length {context}"
+                f"max_tokens {cfg.sampling.max_tokens} + longest prompt ({longest.id!r}, {prompt_tokens} "
+                f"tokens) = {prompt_tokens + cfg.sampling.max_tokens} passes the context length {context}"
             )
 
 
 def check_engine(cfg: RunConfig, report: PreflightReport) -> None:
     adapter = engine(cfg.engine)
     parsers = adapter.reasoning_parsers
-    if cfg.reasoning_parser and cfg.reasoning_parser not in parsers:
+    if cfg.engine_options.reasoning_parser and cfg.engine_options.reasoning_parser not in parsers:
         report.problems.append(
-            f"reasoning_parser {cfg.reasoning_parser!r}: engine {cfg.engine} has no such parser "
+            f"reasoning_parser {cfg.engine_options.reasoning_parser!r}: engine {cfg.engine} has no such parser "
             f"(known: {', '.join(sorted(parsers))})")
-    if cfg.enable_thinking and not cfg.reasoning_parser:
+    if cfg.enable_thinking and not cfg.engine_options.reasoning_parser:
         report.problems.append("reasoning_parser: empty while enable_thinking is on; the thinking "
                                "trace would stay inside content")
     for name in adapter.ignored_options:
-        if getattr(cfg, name) is not None:
+        if cfg.flat_value(name) is not None:
             report.problems.append(f"{name}: engine {cfg.engine} has no equivalent option and would "
                                    f"ignore it; unset it")
-    if (cfg.concurrency_per_server and cfg.max_running_requests
-            and cfg.concurrency_per_server > cfg.max_running_requests):
+    if (cfg.generation.concurrency_per_server and cfg.engine_options.max_running_requests
+            and cfg.generation.concurrency_per_server > cfg.engine_options.max_running_requests):
         report.problems.append(
-            f"concurrency_per_server {cfg.concurrency_per_server} is above max_running_requests "
-            f"{cfg.max_running_requests}: the extra requests would only queue")
-    if cfg.engine != "sim" and cfg.engine_python and not Path(cfg.engine_python).is_file():
-        report.problems.append(f"engine_python {cfg.engine_python}: not found")
+            f"concurrency_per_server {cfg.generation.concurrency_per_server} is above max_running_requests "
+            f"{cfg.engine_options.max_running_requests}: the extra requests would only queue")
+    if cfg.engine != "sim" and cfg.servers.engine_python and not Path(cfg.servers.engine_python).is_file():
+        report.problems.append(f"engine_python {cfg.servers.engine_python}: not found")
 
 
 def check_space(cfg: RunConfig, report: PreflightReport) -> None:
@@ -234,7 +232,7 @@ def check_space(cfg: RunConfig, report: PreflightReport) -> None:
         prompts = report.info.get("prompts", 0)
         longest = report.info.get("longest_prompt_chars", 0)
         # A row is its prompt plus up to max_tokens of text (~4 bytes a token), compressed ~2x.
-        need = int(prompts * (longest + cfg.max_tokens * 4) / 2)
+        need = int(prompts * (longest + cfg.sampling.max_tokens * 4) / 2)
         free = shutil.disk_usage(probe_dir).free
         report.info["output_estimate_bytes"] = need
         if need > free:
@@ -246,7 +244,7 @@ def check_space(cfg: RunConfig, report: PreflightReport) -> None:
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
         free = shutil.disk_usage(probe).free
-        from regen.stage import staged_path
+        from regen.weights import staged_path
 
         already = staged_path(Path(cfg.model_path), staging)
         have = sum(f.stat().st_size for f in already.rglob("*") if f.is_file()) if already.exists() else 0
@@ -258,8 +256,8 @@ def check_space(cfg: RunConfig, report: PreflightReport) -> None:
 
 def check_output(cfg: RunConfig, report: PreflightReport) -> None:
     """An output made with another shard count would end with ids twice: refuse it."""
-    counts = {parse_shard_file(p.name)[1] for p in RunLayout(cfg.output).shard_files()}
-    other = sorted(counts - {cfg.num_shards})
+    counts = {parse_shard_file(p.name)[1] for p in cfg.layout.shard_files()}
+    other = sorted(counts - {cfg.generation.num_shards})
     if other:
         report.problems.append(
             f"output {cfg.output}: data/ holds shards of a {'/'.join(map(str, other))}-shard run; "
@@ -267,20 +265,22 @@ def check_output(cfg: RunConfig, report: PreflightReport) -> None:
 
 
 def check_ports(cfg: RunConfig, report: PreflightReport) -> None:
-    from regen.servers import is_healthy, port_is_free, read_state, server_slots
+    from regen.servers.gpus import server_slots
+    from regen.servers.lifecycle import is_healthy, port_is_free
+    from regen.servers.records import read_state
 
     ours = {r.port for r in read_state(cfg.layout) if is_healthy(r.url)}
-    taken = [cfg.base_port + i for i in range(len(server_slots(cfg)))
-             if cfg.base_port + i not in ours and not port_is_free(cfg.host, cfg.base_port + i)]
+    taken = [cfg.servers.base_port + i for i in range(len(server_slots(cfg)))
+             if cfg.servers.base_port + i not in ours and not port_is_free(cfg.servers.host, cfg.servers.base_port + i)]
     if taken:
         report.problems.append(f"port{'s' if len(taken) > 1 else ''} {', '.join(map(str, taken))} "
-                               f"on {cfg.host} already in use: free them or change base_port")
+                               f"on {cfg.servers.host} already in use: free them or change base_port")
 
 
 def check_map_length(cfg: RunConfig, report: PreflightReport, max_map_length: int | None) -> None:
-    if max_map_length is not None and cfg.num_shards > max_map_length:
+    if max_map_length is not None and cfg.generation.num_shards > max_map_length:
         report.problems.append(
-            f"num_shards {cfg.num_shards} is above this Airflow's max_map_length {max_map_length} "
+            f"num_shards {cfg.generation.num_shards} is above this Airflow's max_map_length {max_map_length} "
             f"([core] max_map_length): the generate task could not be mapped; use at most "
             f"{max_map_length} shards or raise the setting")
 
@@ -319,23 +319,27 @@ def run_preflight(cfg: RunConfig, code: bool = True, max_map_length: int | None 
     return report
 
 
-def node_preflight(cfg: RunConfig) -> dict:
-    """The preflight of one node of a run over several, on that node's interpreter: its code,
-    engine, model, staging space and ports."""
-    report = run_preflight(cfg, scope="node")
-    if not report.ok:
-        raise PreflightFailed([f"node {cfg.node}: {problem}" for problem in report.problems])
-    return {"node": cfg.node, "seconds": round(report.seconds, 2),
-            "summary": f"node {cfg.node}: preflight passed in {report.seconds:.1f} s (engine {cfg.engine}, "
-                       f"{cfg.server_count_hint()} server(s) from port {cfg.base_port})"}
+def prepare_node(cfg: RunConfig) -> StagedModel:
+    """The stage_weights stage of one node: a listed node's own checks first, on that node's
+    interpreter (its code, engine, model, staging space and ports; the run's own node had them
+    in preflight), then its weights staged."""
+    from regen.weights import stage_weights
+
+    if not cfg.this_node().is_run_node:
+        report = run_preflight(cfg, scope="node")
+        if not report.ok:
+            raise PreflightFailed([f"node {cfg.node}: {problem}" for problem in report.problems])
+        log.info("node %s: preflight passed in %.1f s (engine %s, %d server(s) from port %d)", cfg.node,
+                 report.seconds, cfg.engine, cfg.servers.count_hint(), cfg.servers.base_port)
+    return stage_weights(cfg)
 
 
-def preflight(cfg: RunConfig, code: bool = True, run_id: str = "cli",
-              max_map_length: int | None = None, dag_nodes: list[str] | None = None) -> dict:
+def check(cfg: RunConfig, code: bool = True, run_id: str = "cli",
+          max_map_length: int | None = None, dag_nodes: list[str] | None = None) -> PreflightResult:
     """The preflight stage: every check, here, with this interpreter; PreflightFailed listing
     every problem, else the run manifest written (the prompt index) and the shards to map over.
     ``max_map_length``: the deployment's limit on mapped tasks (the DAG passes Airflow's);
-    ``dag_nodes``: the node names the DAG was built with."""
+    ``dag_nodes``: the listed node names the DAG was built with."""
     from regen.manifest import Manifest
 
     report = run_preflight(cfg, code=code, max_map_length=max_map_length,
@@ -343,12 +347,11 @@ def preflight(cfg: RunConfig, code: bool = True, run_id: str = "cli",
     if not report.ok:
         raise PreflightFailed(report.problems)
     from regen.generate import shards_to_run  # only now: the code it is in has just been checked
-    Manifest(RunLayout(cfg.output)).write_prompts(cfg, report.info["_index"], run_id)
-    report.info = {k: v for k, v in report.info.items() if not k.startswith("_")}
+    Manifest(cfg.layout).write_prompts(cfg, report.info["_index"], run_id)
+    info = {k: v for k, v in report.info.items() if not k.startswith("_")}
     shards = shards_to_run(cfg)
-    work = (f"{len(shards)} of {cfg.num_shards} shards with work" if shards else
+    work = (f"{len(shards)} of {cfg.generation.num_shards} shards with work" if shards else
             "up to date: every prompt has a good row of this model and settings, nothing to send")
-    return {"shards": shards, "up_to_date": not shards, "info": report.info,
-            "seconds": round(report.seconds, 2),
-            "summary": f"preflight passed in {report.seconds:.1f} s: "
-                       f"{report.info.get('prompts', 0):,} prompts, engine {cfg.engine}; {work}"}
+    return PreflightResult(shards=shards, up_to_date=not shards, info=info, seconds=round(report.seconds, 2),
+                           summary=f"preflight passed in {report.seconds:.1f} s: "
+                                   f"{info.get('prompts', 0):,} prompts, engine {cfg.engine}; {work}")

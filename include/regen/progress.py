@@ -2,63 +2,21 @@
 
 Each shard (a separate Airflow task, maybe on another worker) writes its own part under
 ``work/progress/``; whoever writes next folds them into ``progress.json``, replaced atomically so a
-reader never sees half a file. The canary and the audit add their sections the same way.
+reader never sees half a file. The canary and the audit add their sections the same way. The read
+side (what the run page shows) is :mod:`regen.status`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-from regen.layout import RunLayout
-
-if TYPE_CHECKING:
-    from regen.config import RunConfig
+from regen.files import atomic_write_json, read_json
+from regen.layout import RunLayout, is_shard_key, shard_key
 
 log = logging.getLogger("regen.progress")
-
-
-def atomic_write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1, default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def format_duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    seconds = int(seconds)
-    if seconds < 120:
-        return f"{seconds} s"
-    if seconds < 7200:
-        return f"{seconds // 60} min"
-    return f"{seconds / 3600:.1f} h"
-
-
-def format_bytes(size: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(size) < 1000 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    return f"{size:.1f} TB"
 
 
 class RunProgress:
@@ -70,7 +28,7 @@ class RunProgress:
         self.path = self.layout.progress_file
 
     def write_shard(self, shard: int, data: dict) -> None:
-        self._write(RunLayout.shard_part(shard), data)
+        self._write(shard_key(shard), data)
 
     def write_section(self, name: str, data: dict) -> None:
         """A run-level section (canary estimate, audit verdict) kept beside the shards."""
@@ -91,7 +49,7 @@ class RunProgress:
                 data = read_json(path)
                 if data is None:
                     continue
-                if RunLayout.is_shard_part(path.stem):
+                if is_shard_key(path.stem):
                     shards[path.stem] = data
                 else:
                     sections[path.stem] = data
@@ -133,28 +91,3 @@ class RunProgress:
         point = {k: summary[k] for k in ("done", "failed", "total", "tokens_per_s")}
         with open(path, "a") as fh:
             fh.write(json.dumps({"t": round(time.time(), 1), **point}) + "\n")
-
-
-HISTORY_POINTS = 2000
-
-
-def run_data(layout: RunLayout) -> dict:
-    """What the run page shows: progress, the throughput history and the audit's summary."""
-    history = []
-    if layout.history.exists():
-        lines = layout.history.read_text().splitlines()[-HISTORY_POINTS:]
-        history = [json.loads(line) for line in lines if line.strip()]
-    return {"output": str(layout.root), "progress": read_json(layout.progress_file) or {},
-            "history": history, "audit": read_json(layout.summary_json)}
-
-
-def progress(cfg: "RunConfig") -> dict:
-    """The progress stage: run_data of the run's output, read where the output lives."""
-    from regen.nodes import node_view
-
-    data = run_data(RunLayout(cfg.output))
-    progress_ = data["progress"]
-    data["nodes"] = node_view(cfg, progress_)
-    data["summary"] = (f"{progress_.get('done', 0):,} of {progress_.get('total', 0):,} done, "
-                       f"{progress_.get('failed', 0):,} failed")
-    return data

@@ -39,11 +39,11 @@ class RemoteOutput:
         return "\n".join(self.lines[-count:])
 
 
-def stage_argv(cfg: RunConfig, sid: str, kwargs: dict, marker: str) -> list[str]:
+def stage_argv(cfg: RunConfig, name: str, kwargs: dict, marker: str) -> list[str]:
     """The node's command line: the config (minus the SSH hop) and arguments travel as JSON."""
     local = cfg.model_copy(update={"ssh_conn_id": None})
     # The pty makes the node's regen think a person watches: no progress bar in the task log.
-    return [cfg.remote_regen, "--no-progress-bar", "run-stage", sid, "--config-json",
+    return [cfg.remote_regen, "--no-progress-bar", "run-stage", name, "--config-json",
             local.model_dump_json(), "--kwargs-json", json.dumps(kwargs), "--result-marker", marker]
 
 
@@ -83,15 +83,15 @@ def run_command(conn_id: str, argv: list[str], marker: str, keep_lines: int = 50
     return RemoteOutput(code, lines, result)
 
 
-def run_stage(cfg: RunConfig, sid: str, kwargs: dict) -> dict:
+def run_stage(cfg: RunConfig, name: str, kwargs: dict) -> dict:
     """The stage's result document, as the node's ``regen run-stage`` wrote it."""
     marker = f"regen-result-{secrets.token_hex(16)} "
-    out = run_command(cfg.ssh_conn_id, stage_argv(cfg, sid, kwargs, marker), marker)
+    out = run_command(cfg.ssh_conn_id, stage_argv(cfg, name, kwargs, marker), marker)
     if out.result is None:
-        raise RemoteError(f"`regen run-stage {sid}` on {cfg.ssh_conn_id} exited with "
+        raise RemoteError(f"`regen run-stage {name}` on {cfg.ssh_conn_id} exited with "
                           f"{out.exit_code} without a result:\n{out.tail()}")
     try:
         return json.loads(out.result)
     except ValueError as exc:
-        raise RemoteError(f"`regen run-stage {sid}` on {cfg.ssh_conn_id}: unreadable result "
+        raise RemoteError(f"`regen run-stage {name}` on {cfg.ssh_conn_id}: unreadable result "
                           f"({exc})") from None

@@ -18,36 +18,16 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from regen.dispatch import ShardFailed
+from regen.coordination import FileLock, LockHeld
+from regen.errors import ShardFailed
+from regen.files import atomic_path
 from regen.layout import RunLayout, shard_name
+from regen.machine import node_name
+from regen.rows import ROW_SCHEMA
+from regen.turns import resumed_answers
 
 log = logging.getLogger("regen.store")
 
-ROW_SCHEMA = pa.schema([
-    ("id", pa.string()),
-    # The last turn's request: earlier assistant turns are the regenerated ones, with reasoning.
-    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()),
-                                     ("reasoning_content", pa.string())]))),
-    ("reasoning_content", pa.string()),
-    ("content", pa.string()),
-    ("finish_reason", pa.string()),
-    ("prompt_tokens", pa.int64()),
-    ("completion_tokens", pa.int64()),
-    ("error", pa.string()),
-    ("enable_thinking", pa.bool_()),
-    ("model", pa.string()),
-    ("server", pa.string()),
-    ("attempts", pa.int32()),
-    ("latency_s", pa.float64()),
-    ("prompt_hash", pa.string()),
-    ("settings_hash", pa.string()),
-    # The last turn's tokens as the engine saw and produced them (where it returns them).
-    ("prompt_token_ids", pa.list_(pa.int32())),
-    ("completion_token_ids", pa.list_(pa.int32())),
-    # Every regenerated turn's outcome, in order (one for a single-turn prompt).
-    ("turns", pa.list_(pa.struct([("finish_reason", pa.string()), ("prompt_tokens", pa.int64()),
-                                  ("completion_tokens", pa.int64())]))),
-])
 
 
 class Journal:
@@ -114,23 +94,17 @@ class ShardStore:
     def lock(self):
         """One generator per shard: a retry that starts while an old attempt still runs (a worker
         that lost its heartbeat, a remote job outliving its task) must not write the same journal."""
-        import fcntl
-
         path = self.layout.shard_lock(self.shard, self.num_shards)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a+") as fh:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                fh.seek(0)
-                holder = fh.read().strip() or "another process"
-                raise ShardFailed(f"{self.name} is being generated right now by {holder} ({path}); "
-                                  f"retry once it has stopped") from None
-            fh.seek(0)
-            fh.truncate()
-            fh.write(f"pid {os.getpid()} on {os.uname().nodename}")
-            fh.flush()
+        lock = FileLock(path, note=f"pid {os.getpid()} on {node_name()}")
+        try:
+            lock.acquire(blocking=False)
+        except LockHeld as held:
+            raise ShardFailed(f"{self.name} is being generated right now by {held} ({path}); "
+                              f"retry once it has stopped") from None
+        try:
             yield
+        finally:
+            lock.release()
 
     def settled(self, hashes: dict[str, str], settings_hash: str) -> tuple[set[str], set[str]]:
         """(ids that need no new request, ids the shard file holds now). A row settles its id when
@@ -159,8 +133,6 @@ class ShardStore:
 
     def turns_done(self, hashes: dict[str, str], settings_hash: str) -> dict[str, list[dict]]:
         """Per conversation cut mid-way in an earlier attempt: the answers of its finished turns."""
-        from regen.turns import resumed_answers
-
         rows: dict[str, list[dict]] = {}
         for row in Journal.rows(self.journal_path, partial=True):
             if hashes.get(row["id"]) == row.get("prompt_hash") and row.get("settings_hash") == settings_hash:
@@ -191,29 +163,20 @@ class ShardStore:
             raise ShardFailed(f"{self.name}: has rows for {len(last):,} of its {len(hashes):,} prompts "
                               f"(missing e.g. {missing[:3]}); nothing published, the journal is kept")
         keep = set(last.values())
-        tmp = self.journal_path.with_suffix(".parquet.tmp")
         count = 0
-        try:
-            with pq.ParquetWriter(tmp, ROW_SCHEMA, compression="zstd") as writer:
-                batch: list[dict] = []
-                for index, row in enumerate(self._rows()):
-                    if index not in keep:
-                        continue
-                    row.pop("retryable", None)
-                    batch.append(row)
-                    if len(batch) >= batch_rows:
-                        writer.write_table(pa.Table.from_pylist(batch, schema=ROW_SCHEMA))
-                        count += len(batch)
-                        batch = []
-                if batch:
+        with atomic_path(self.final, work_dir=self.journal_path.parent) as tmp, pq.ParquetWriter(tmp, ROW_SCHEMA, compression="zstd") as writer:
+            batch: list[dict] = []
+            for index, row in enumerate(self._rows()):
+                if index not in keep:
+                    continue
+                row.pop("retryable", None)
+                batch.append(row)
+                if len(batch) >= batch_rows:
                     writer.write_table(pa.Table.from_pylist(batch, schema=ROW_SCHEMA))
                     count += len(batch)
-            with open(tmp, "rb") as fh:
-                os.fsync(fh.fileno())
-            self.final.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp, self.final)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+                    batch = []
+            if batch:
+                writer.write_table(pa.Table.from_pylist(batch, schema=ROW_SCHEMA))
+                count += len(batch)
         self.journal_path.unlink(missing_ok=True)
         return count

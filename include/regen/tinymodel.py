@@ -13,7 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterable
 
-from regen.paths import PACKAGE_DIR
+from regen.engines.simulator.text import ANSWER_WORDS, REASONING_WORDS
+from regen.paths import DEMO_PROMPTS, PACKAGE_DIR
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 TEMPLATE_PATH = PACKAGE_DIR / "templates" / "qwen3_style.jinja"
@@ -91,9 +92,6 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int = 2048):
 
 
 def default_corpus() -> list[str]:
-    from regen.paths import DEMO_PROMPTS
-    from regen.sim import ANSWER_WORDS, REASONING_WORDS
-
     lines = [" ".join(REASONING_WORDS), " ".join(ANSWER_WORDS), "OK. Okay, let me think."]
     if DEMO_PROMPTS.exists():
         lines.extend(DEMO_PROMPTS.read_text().splitlines())

@@ -34,7 +34,7 @@ class Engine:
         return None, None
 
     def python(self, cfg: RunConfig) -> str:
-        return cfg.engine_python or sys.executable
+        return cfg.servers.engine_python or sys.executable
 
     def launch_argv(self, cfg: RunConfig, model_path: str, port: int, api_key: str | None) -> list[str]:
         raise NotImplementedError

@@ -25,19 +25,19 @@ class SGLang(Engine):
 
     def launch_argv(self, cfg: RunConfig, model_path: str, port: int, api_key: str | None) -> list[str]:
         argv = self.module_argv(cfg)
-        argv += ["--model-path", model_path, "--host", cfg.host, "--port", str(port), "--enable-metrics"]
+        argv += ["--model-path", model_path, "--host", cfg.servers.host, "--port", str(port), "--enable-metrics"]
         argv += flag("--api-key", api_key)
-        argv += flag("--reasoning-parser", cfg.reasoning_parser)
-        argv += flag("--speculative-algorithm", cfg.speculative_algorithm)
-        argv += flag("--speculative-num-steps", cfg.speculative_num_steps)
-        argv += flag("--speculative-eagle-topk", cfg.speculative_eagle_topk)
-        argv += flag("--speculative-num-draft-tokens", cfg.speculative_num_draft_tokens)
-        argv += flag("--mem-fraction-static", cfg.mem_fraction_static)
-        argv += flag("--max-running-requests", cfg.max_running_requests)
-        argv += flag("--max-mamba-cache-size", cfg.max_mamba_cache_size)
-        argv += flag("--context-length", cfg.context_length)
-        argv += flag("--random-seed", cfg.seed)
-        return argv + self.own_flags(cfg) + list(cfg.extra_server_args)
+        argv += flag("--reasoning-parser", cfg.engine_options.reasoning_parser)
+        argv += flag("--speculative-algorithm", cfg.engine_options.speculative_algorithm)
+        argv += flag("--speculative-num-steps", cfg.engine_options.speculative_num_steps)
+        argv += flag("--speculative-eagle-topk", cfg.engine_options.speculative_eagle_topk)
+        argv += flag("--speculative-num-draft-tokens", cfg.engine_options.speculative_num_draft_tokens)
+        argv += flag("--mem-fraction-static", cfg.engine_options.mem_fraction_static)
+        argv += flag("--max-running-requests", cfg.engine_options.max_running_requests)
+        argv += flag("--max-mamba-cache-size", cfg.engine_options.max_mamba_cache_size)
+        argv += flag("--context-length", cfg.engine_options.context_length)
+        argv += flag("--random-seed", cfg.sampling.seed)
+        return argv + self.own_flags(cfg) + list(cfg.servers.extra_server_args)
 
     def own_flags(self, cfg: RunConfig) -> list[str]:
         return []

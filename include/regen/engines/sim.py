@@ -1,5 +1,6 @@
-"""regen's simulator (`regen sim`): SGLang's HTTP API, launched with SGLang's flags plus its own
-`--sim-*` knobs, so it goes through the same server manager and client paths as SGLang."""
+"""regen's simulator (`regen sim`, regen.engines.simulator): SGLang's HTTP API, launched with
+SGLang's flags plus its own `--sim-*` knobs, so it goes through the same server manager and
+client paths as SGLang."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 
 from regen.config import RunConfig
 from regen.engines.sglang import SGLang
+from regen.engines.simulator.settings import to_argv
 
 
 class Simulator(SGLang):
@@ -18,10 +20,4 @@ class Simulator(SGLang):
         return [sys.executable, "-m", "regen", "sim"]
 
     def own_flags(self, cfg: RunConfig) -> list[str]:
-        argv = ["--sim-tokens-per-second", str(cfg.sim_tokens_per_second),
-                "--sim-ttft", str(cfg.sim_ttft_s),
-                "--sim-failure-rate", str(cfg.sim_failure_rate),
-                "--sim-hang-rate", str(cfg.sim_hang_rate)]
-        if cfg.sim_ignore_thinking:
-            argv.append("--sim-ignore-thinking")
-        return argv
+        return to_argv(**cfg.sim.model_dump())  # the config's simulator options are SimSettings' fields

@@ -32,19 +32,19 @@ class VLLM(Engine):
 
     def launch_argv(self, cfg: RunConfig, model_path: str, port: int, api_key: str | None) -> list[str]:
         argv = [self.python(cfg), "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-                "--host", cfg.host, "--port", str(port)]
+                "--host", cfg.servers.host, "--port", str(port)]
         argv += flag("--api-key", api_key)
-        argv += flag("--reasoning-parser", cfg.reasoning_parser)
-        argv += flag("--max-num-seqs", cfg.max_running_requests)
-        argv += flag("--gpu-memory-utilization", cfg.mem_fraction_static)
-        argv += flag("--max-model-len", cfg.context_length)
-        argv += flag("--seed", cfg.seed)
-        if cfg.speculative_algorithm:
-            spec: dict = {"method": SPECULATIVE_METHOD[cfg.speculative_algorithm]}
-            if cfg.speculative_num_steps is not None:
-                spec["num_speculative_tokens"] = cfg.speculative_num_steps
+        argv += flag("--reasoning-parser", cfg.engine_options.reasoning_parser)
+        argv += flag("--max-num-seqs", cfg.engine_options.max_running_requests)
+        argv += flag("--gpu-memory-utilization", cfg.engine_options.mem_fraction_static)
+        argv += flag("--max-model-len", cfg.engine_options.context_length)
+        argv += flag("--seed", cfg.sampling.seed)
+        if cfg.engine_options.speculative_algorithm:
+            spec: dict = {"method": SPECULATIVE_METHOD[cfg.engine_options.speculative_algorithm]}
+            if cfg.engine_options.speculative_num_steps is not None:
+                spec["num_speculative_tokens"] = cfg.engine_options.speculative_num_steps
             argv += ["--speculative-config", json.dumps(spec)]
-        return argv + list(cfg.extra_server_args)
+        return argv + list(cfg.servers.extra_server_args)
 
     def launch_env(self, gpu: int | None) -> dict[str, str]:
         """On the CPU, the model runs inside the engine-core process. vLLM's default there is a

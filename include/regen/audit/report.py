@@ -6,14 +6,13 @@ from __future__ import annotations
 import base64
 import io
 import json
-from typing import TYPE_CHECKING, Iterable
+from html import escape
+from typing import Iterable
 
 import numpy as np
 
-from regen.audit import FINDINGS
-
-if TYPE_CHECKING:
-    from regen.audit import AuditReport
+from regen.audit import viewer
+from regen.audit.findings import FINDINGS, AuditReport
 
 
 def _histogram_png(values: Iterable[int], title: str, xlabel: str, threshold: int | None = None) -> str:
@@ -42,10 +41,6 @@ def _histogram_png(values: Iterable[int], title: str, xlabel: str, threshold: in
 
 
 def render_html(report: AuditReport, views: list[dict] | None = None) -> str:
-    from html import escape
-
-    from regen.viewer import render_html as render_views
-
     data = report.to_json()
     s = report.summary
     loss_png = _histogram_png(s.loss_tokens, "Loss tokens per sample", "loss tokens (log)",
@@ -71,4 +66,4 @@ details.sample-view{{margin:.4em 0}}summary{{cursor:pointer}}</style></head>
 <h2>Distributions</h2><img alt="loss tokens histogram" src="data:image/png;base64,{loss_png}">
 <img alt="completion tokens histogram" src="data:image/png;base64,{comp_png}">
 {example}
-{render_views(views or [])}</body></html>"""
+{viewer.render_html(views or [])}</body></html>"""

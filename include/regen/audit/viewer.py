@@ -16,6 +16,11 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from regen.chat.loss import assistant_spans
+from regen.chat.render import render, training_messages
+from regen.chat.templates import TRAIN_TEMPLATES
+from regen.rows import row_messages
+
 RANDOM_SAMPLES = 5
 PER_FINDING = 3
 MAX_SHOWN_CHARS = 12_000  # per sample: the start and end of a longer one
@@ -47,9 +52,6 @@ def build(rows: list[dict], results: dict[str, dict], why: dict[str, str], token
           template_name: str, max_length: int | None) -> list[dict[str, Any]]:
     """Per chosen row: the rendered text cut into (kind, text) segments, kind being "prompt",
     "loss" or "after_cut", and what the audit found."""
-    from regen.audit import row_messages
-    from regen.chat import TRAIN_TEMPLATES, assistant_spans, render, training_messages
-
     template = TRAIN_TEMPLATES[template_name]
     views = []
     for row in rows:

@@ -1,30 +1,24 @@
-"""The serve stage: one inference server per GPU, health wait, re-entry, and a teardown that
-leaves nothing.
+"""One inference server per GPU: launch, health wait, re-entry, and a teardown that leaves nothing.
 
 Each server runs in its own session (``setsid``), so the whole process tree, SGLang's scheduler
-children included, is signalled as one group and outlives the Airflow task that started it. What
-was started is recorded in ``servers.json`` (:class:`regen.layout.RunLayout`): the node it runs
-on, the run that owns it, its process (PID and start time), its launch arguments (without the key)
-and the model it serves. Every later task and every re-run reads it from there. A recorded server
-is reused only when it is the same process, healthy, launched with the same arguments and serving
-the same model; a teardown stops only the servers its run owns. The launch command comes from the
-engine's adapter (:mod:`regen.engines`).
+children included, is signalled as one group and outlives the Airflow task that started it. A
+recorded server (regen.servers.records) is reused only when it is the same process, healthy,
+launched with the same arguments and serving the same model; a teardown stops only the servers
+its run owns. The launch command comes from the engine's adapter (:mod:`regen.engines`). The
+node's watchdog (:mod:`regen.servers.watchdog`) is started with the first server and stopped
+with the last.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import json
 import logging
 import os
 import secrets
-import shutil
 import socket
 import subprocess
+import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Sequence
 
@@ -32,80 +26,22 @@ import httpx2
 
 from regen import procs
 from regen.config import RunConfig
+from regen.coordination import FileLock
 from regen.engines import engine
 from regen.errors import RegenError
+from regen.files import atomic_write_json, read_json
 from regen.layout import RunLayout
+from regen.manifest import Manifest, model_fingerprint
+from regen.machine import node_name
+from regen.servers.gpus import server_slots
+from regen.results import ServerLogs, ServersStopped, ServersUp
+from regen.servers.records import KEY_PLACEHOLDER, ServerRecord, read_state, write_state
 
 log = logging.getLogger("regen.servers")
 
 
 class ServerError(RegenError):
     """A server that could not be started or stopped; the message says which and why."""
-
-
-KEY_PLACEHOLDER = "<api-key>"
-
-
-def node_name() -> str:
-    """This machine, as servers.json names the node a server runs on."""
-    return os.environ.get("REGEN_NODE_NAME") or socket.gethostname()
-
-
-@dataclass
-class ServerRecord:
-    index: int
-    gpu: int | None
-    host: str
-    port: int
-    pid: int
-    log_path: str
-    api_key: str | None
-    start_ticks: int | None = None
-    node: str = ""
-    owner: str = ""
-    launch: list[str] | None = None  # the argv with the key replaced by KEY_PLACEHOLDER
-    model_path: str = ""
-    model_fingerprint: str | None = None
-    served_model: str | None = None  # the name /v1/models gave once the server was healthy
-    env: dict[str, str] | None = None  # the engine's launch environment (a relaunch reuses it)
-
-    @property
-    def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
-        return f"http://{host}:{self.port}"
-
-    def running(self) -> bool:
-        return procs.is_running(self.pid, self.start_ticks)
-
-    def public(self) -> dict:
-        """Without the API key: what a result document and a log may carry."""
-        return {"index": self.index, "url": self.url, "pid": self.pid, "gpu": self.gpu,
-                "node": self.node, "owner": self.owner, "log": self.log_path,
-                "model": self.served_model, "model_fingerprint": self.model_fingerprint}
-
-
-def detect_gpus() -> list[int]:
-    """GPU indices from nvidia-smi; empty where there is none."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return []
-    try:
-        out = subprocess.run([smi, "--query-gpu=index", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-    except (subprocess.SubprocessError, OSError):
-        return []
-    return [int(line) for line in out.split() if line.strip().isdigit()]
-
-
-def server_slots(cfg: RunConfig) -> list[int | None]:
-    """One entry per server: its GPU index, or None for a CPU server."""
-    if cfg.gpus:
-        return list(cfg.gpus)
-    if cfg.engine != "sim":
-        gpus = detect_gpus()
-        if gpus:
-            return gpus
-    return [None] * cfg.num_servers
 
 
 def build_command(cfg: RunConfig, model_path: str, port: int, api_key: str | None) -> list[str]:
@@ -141,45 +77,6 @@ def is_healthy(url: str, timeout: float = 5.0) -> bool:
         return False
 
 
-def read_state(layout: RunLayout) -> list[ServerRecord]:
-    path = layout.servers_state
-    if not path.exists():
-        return []
-    known = {f.name for f in fields(ServerRecord)}
-    keys_path = key_file(layout)
-    keys = json.loads(keys_path.read_text())["keys"] if keys_path.exists() else {}
-    return [ServerRecord(**{k: v for k, v in item.items() if k in known} | {"api_key": keys.get(str(item["index"]))})
-            for item in json.loads(path.read_text())["servers"]]
-
-
-def key_file(layout: RunLayout) -> Path:
-    """Where the servers' API keys of an output directory are kept: outside it (an output is
-    shared, copied and archived), in an owner-only folder of the node's user."""
-    root = Path(os.environ.get("REGEN_KEY_DIR") or Path.home() / ".cache" / "regen" / "keys")
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    name = str(layout.root.resolve()) + (f"#{layout.node}" if layout.node else "")
-    return root / (hashlib.sha256(name.encode()).hexdigest()[:24] + ".json")
-
-
-def _write_private(path: Path, doc: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(doc, fh, indent=2)
-    os.replace(tmp, path)
-
-
-def write_state(layout: RunLayout, records: Sequence[ServerRecord]) -> None:
-    """servers.json without the keys; the keys in :func:`key_file`."""
-    path, keys = layout.servers_state, key_file(layout)
-    if not records:
-        path.unlink(missing_ok=True)
-        keys.unlink(missing_ok=True)
-        return
-    _write_private(keys, {"keys": {str(r.index): r.api_key for r in records}})
-    _write_private(path, {"servers": [{**asdict(r), "api_key": None} for r in records]})
-
-
 def log_tail(path: str | Path, lines: int = 20) -> str:
     try:
         with open(path, "rb") as fh:
@@ -195,8 +92,7 @@ def node_lock(layout: RunLayout):
     """One process at a time starts or stops this output's servers on this node."""
     layout.servers.mkdir(parents=True, exist_ok=True)
     os.chmod(layout.servers, 0o700)  # logs and servers.json hold what only the owner may read
-    with open(layout.servers_lock, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+    with FileLock(layout.servers_lock):
         yield
 
 
@@ -216,7 +112,7 @@ def mismatch(record: ServerRecord, cfg: RunConfig, model_path: str, fingerprint:
     if record.launch != wanted:
         changed = sorted(set(wanted) ^ set(record.launch or []))[:6]
         return f"it was launched with other arguments (differing: {' '.join(changed)})"
-    if cfg.api_key and cfg.api_key != record.api_key:
+    if cfg.servers.api_key and cfg.servers.api_key != record.api_key:
         return "it requires another API key"
     return None
 
@@ -224,8 +120,6 @@ def mismatch(record: ServerRecord, cfg: RunConfig, model_path: str, fingerprint:
 def start_servers(cfg: RunConfig, model_path: str, run_id: str = "cli",
                   fingerprint: str | None = None) -> list[ServerRecord]:
     """Healthy servers of this config, reusing what already serves it; idempotent."""
-    from regen.stage import model_fingerprint
-
     layout = cfg.layout
     fingerprint = fingerprint or model_fingerprint(model_path)
     with node_lock(layout):
@@ -233,7 +127,7 @@ def start_servers(cfg: RunConfig, model_path: str, run_id: str = "cli",
         records: list[ServerRecord] = []
         to_launch: list[tuple[int, int | None, int]] = []
         for index, gpu in enumerate(server_slots(cfg)):
-            port = cfg.base_port + index
+            port = cfg.servers.base_port + index
             old = previous.pop(index, None)
             if old is not None and old.port == port and old.running():
                 why = mismatch(old, cfg, model_path, fingerprint)
@@ -256,14 +150,14 @@ def start_servers(cfg: RunConfig, model_path: str, run_id: str = "cli",
                 stop_records([extra])
             else:
                 records.append(extra)
-        taken = [port for _, _, port in to_launch if not port_is_free(cfg.host, port)]
+        taken = [port for _, _, port in to_launch if not port_is_free(cfg.servers.host, port)]
         if taken:
             raise ServerError(
-                f"port{'s' if len(taken) > 1 else ''} {', '.join(map(str, taken))} on {cfg.host} "
+                f"port{'s' if len(taken) > 1 else ''} {', '.join(map(str, taken))} on {cfg.servers.host} "
                 f"already in use: stop what holds {'them' if len(taken) > 1 else 'it'} or change base_port")
-        api_key = cfg.api_key or (records[0].api_key if records else None) or secrets.token_hex(24)
+        api_key = cfg.servers.api_key or (records[0].api_key if records else None) or secrets.token_hex(24)
         launched = _launch(cfg, layout, model_path, fingerprint, run_id, api_key, to_launch, records)
-        ensure_watchdog(layout, cfg.idle_shutdown_s)
+        ensure_watchdog(layout, cfg.servers.idle_shutdown_s)
     return launched
 
 
@@ -284,17 +178,13 @@ def relaunch(layout: RunLayout, index: int) -> ServerRecord | None:
 
 
 def ensure_watchdog(layout: RunLayout, idle_shutdown_s: float | None) -> None:
-    """One watchdog (regen.watchdog) per output's servers, with this idle shutdown."""
-    from regen.progress import atomic_write_json, read_json
-
+    """One watchdog (regen.servers.watchdog) per output's servers, with this idle shutdown."""
     current = read_json(layout.watchdog_state) or {}
     if procs.is_running(current.get("pid", 0), current.get("start_ticks")):
         if current.get("idle_shutdown_s") == idle_shutdown_s:
             return
         procs.stop_sessions([(current["pid"], current.get("start_ticks"), "watchdog")], grace_s=5)
-    import sys
-
-    argv = [sys.executable, "-m", "regen.watchdog", "--output", str(layout.root)]
+    argv = [sys.executable, "-m", "regen.servers.watchdog", "--output", str(layout.root)]
     if layout.node:
         argv += ["--node", layout.node]
     if idle_shutdown_s:
@@ -305,31 +195,10 @@ def ensure_watchdog(layout: RunLayout, idle_shutdown_s: float | None) -> None:
 
 
 def stop_watchdog(layout: RunLayout) -> None:
-    from regen.progress import read_json
-
     current = read_json(layout.watchdog_state) or {}
     if current.get("pid") and current.get("pid") != os.getpid():
         procs.stop_sessions([(current["pid"], current.get("start_ticks"), "watchdog")], grace_s=5)
     layout.watchdog_state.unlink(missing_ok=True)
-
-
-def ensure(cfg: RunConfig, run_id: str) -> list[ServerRecord]:
-    """This output's servers, brought up here if none serve it (a shard or canary retried after
-    the teardown ran): the same staging and start as the setup tasks, under the node's lock."""
-    layout = cfg.layout
-    with node_lock(layout):  # another shard may be starting them: its start ends with them healthy
-        records = read_state(layout)
-    if records and any(r.running() for r in records):
-        return recorded(cfg)
-    from regen.manifest import Manifest
-    from regen.stage import stage_weights
-
-    log.warning("no server of this output is running on %s: starting them here (run %s)",
-                node_name(), run_id)
-    model = Manifest(layout).read().get("model") or {}
-    if not model.get("path") or not Path(model["path"]).is_dir():
-        model = stage_weights(cfg)
-    return start_servers(cfg, model["path"], run_id, model.get("fingerprint"))
 
 
 def _launch(cfg: RunConfig, layout: RunLayout, model_path: str, fingerprint: str | None, run_id: str,
@@ -342,7 +211,7 @@ def _launch(cfg: RunConfig, layout: RunLayout, model_path: str, fingerprint: str
             log_path = layout.server_log(index)
             env = engine(cfg.engine).launch_env(gpu)
             proc = procs.spawn(argv, log_path, server_env(gpu, env), layout.servers, api_key)
-            record = ServerRecord(index, gpu, cfg.host, port, proc.pid, str(log_path), api_key,
+            record = ServerRecord(index, gpu, cfg.servers.host, port, proc.pid, str(log_path), api_key,
                                   procs.start_ticks(proc.pid), node_name(), run_id,
                                   launch_args(cfg, model_path, port, api_key), model_path, fingerprint,
                                   env=env or None)
@@ -352,7 +221,7 @@ def _launch(cfg: RunConfig, layout: RunLayout, model_path: str, fingerprint: str
             records.append(record)
         records.sort(key=lambda r: r.index)
         write_state(layout, records)
-        wait_healthy(started, cfg.startup_timeout_s)
+        wait_healthy(started, cfg.servers.startup_timeout_s)
         for record, _ in started:
             record.served_model = served_model_name(record)
         write_state(layout, records)
@@ -460,27 +329,11 @@ def recorded(cfg: RunConfig) -> list[ServerRecord]:
     return records
 
 
-def servers_for(cfg: RunConfig, run_id: str | None) -> list[ServerRecord]:
-    """The servers a shard or the canary uses. A node of a run over several: the ones its
-    start_servers task recorded, reached over the network from wherever this runs (never started
-    here: this may be another machine). One node: with ``run_id`` (a DAG task) brought up here
-    if they are gone, else as recorded."""
-    if cfg.node:
-        records = read_state(cfg.layout)
-        if not records:
-            raise ServerError(f"node {cfg.node} has no servers recorded in {cfg.layout.servers}: "
-                              f"clear start_servers_{cfg.node}")
-        return records
-    return ensure(cfg, run_id) if run_id else recorded(cfg)
-
-
 # --- the stages ---------------------------------------------------------------------------------
 
-def serve(cfg: RunConfig, served_model_path: str | None = None, run_id: str = "cli") -> dict:
+def serve(cfg: RunConfig, served_model_path: str | None = None, run_id: str = "cli") -> ServersUp:
     """The start_servers stage: healthy servers serving ``served_model_path`` (the staged copy),
     owned by ``run_id``; the model's identity goes into the run manifest."""
-    from regen.manifest import Manifest
-
     model_path = served_model_path or cfg.model_path
     manifest = Manifest(cfg.layout)
     staged = manifest.read().get("model") or {}
@@ -490,23 +343,23 @@ def serve(cfg: RunConfig, served_model_path: str | None = None, run_id: str = "c
                            "served": [r.public() for r in records],
                            "launch": records[0].launch})
     urls = [r.url for r in records]
-    return {"urls": urls, "servers": [r.public() for r in records],
-            "summary": f"{len(urls)} server(s) healthy: {', '.join(urls)}"}
+    return ServersUp(urls=urls, servers=[r.public() for r in records],
+                     summary=f"{len(urls)} server(s) healthy: {', '.join(urls)}")
 
 
-def stop(cfg: RunConfig, run_id: str = "cli", every: bool = False) -> dict:
-    """The stop_servers stage (teardown): this run's servers (``every``: all recorded ones)."""
+def teardown(cfg: RunConfig, run_id: str = "cli", every: bool = False) -> ServersStopped:
+    """The stop_servers stage: this run's servers (``every``: all recorded ones)."""
     stopped, others = stop_servers(cfg.layout, run_id, every)
     summary = f"stopped {stopped} server(s)"
     if others:
         summary += f"; left {len(others)} of run(s) {', '.join(sorted({r.owner for r in others}))}"
-    return {"stopped": stopped, "left": [r.public() for r in others], "summary": summary}
+    return ServersStopped(stopped=stopped, left=[r.public() for r in others], summary=summary)
 
 
-def logs(cfg: RunConfig, lines: int = 40) -> dict:
+def tail_logs(cfg: RunConfig, lines: int = 40) -> ServerLogs:
     """The last lines of every recorded server's log."""
     records = read_state(cfg.layout)
     text = "\n".join(f"==> server {r.index} (port {r.port}, pid {r.pid}): {r.log_path}\n"
                      f"{log_tail(r.log_path, lines)}" for r in records)
-    return {"servers": len(records), "logs": text,
-            "summary": text or f"no servers recorded in {cfg.layout.servers}"}
+    return ServerLogs(servers=len(records), logs=text,
+                      summary=text or f"no servers recorded in {cfg.layout.servers}")

@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from regen.config import ConfigError, RunConfig, file_schedule, read_config_file, schedule_spec
+from regen.config import ConfigError, RunConfig, read_config_file
+from regen.dags.schedule import file_schedule, schedule_spec
 
 DEFAULT_DAG_ID = "regenerate_dataset"
 _NAME = re.compile(r"^[A-Za-z0-9_\-]+$")

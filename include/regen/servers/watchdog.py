@@ -4,7 +4,7 @@ It runs on the node beside the servers, in a session of its own, started by whoe
 (``start_servers``), so it outlives whatever happens to Airflow: a lost scheduler, a run marked
 failed from outside, a killed worker, a teardown that never ran. Every ``poll_s``:
 
-- while some shard or canary holds a live lease (:mod:`regen.leases`), a server whose process
+- while some shard or canary holds a live lease (:mod:`regen.coordination`), a server whose process
   died is restarted in place, with its recorded arguments, at most ``MAX_RESTARTS`` times with
   growing pauses, each restart logged and alerted; the shards go on with the other servers and
   take the restarted one back when their probe finds it healthy;
@@ -12,7 +12,7 @@ failed from outside, a killed worker, a teardown that never ran. Every ``poll_s`
 
 It also exits when no server is recorded any more (a teardown ran).
 
-    python -m regen.watchdog --output DIR [--idle-shutdown-s S]
+    python -m regen.servers.watchdog --output DIR [--idle-shutdown-s S]
 """
 
 from __future__ import annotations
@@ -22,7 +22,11 @@ import logging
 import sys
 import time
 
+from regen.alerts import send
+from regen.coordination import live_leases
 from regen.layout import RunLayout
+from regen.servers.lifecycle import relaunch, stop_servers
+from regen.servers.records import read_state
 
 log = logging.getLogger("regen.watchdog")
 
@@ -31,10 +35,6 @@ FIRST_PAUSE_S = 5.0
 
 
 def watch(layout: RunLayout, idle_shutdown_s: float | None, poll_s: float = 1.0) -> str:
-    from regen.alerts import send
-    from regen.leases import live_leases
-    from regen.servers import read_state, relaunch, stop_servers
-
     last_active = time.monotonic()
     restarts: dict[int, tuple[int, float]] = {}  # server index -> (restarts so far, not before)
     while True:
@@ -71,7 +71,7 @@ def watch(layout: RunLayout, idle_shutdown_s: float | None, poll_s: float = 1.0)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m regen.watchdog", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m regen.servers.watchdog", description=__doc__.splitlines()[0])
     parser.add_argument("--output", required=True, help="the output directory whose servers to watch")
     parser.add_argument("--node", default=None, help="the node of a run over several nodes")
     parser.add_argument("--idle-shutdown-s", type=float, default=None)

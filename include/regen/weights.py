@@ -1,5 +1,5 @@
-"""The stage_weights stage: the model copied to a RAM disk, space-checked, atomic, verified,
-idempotent.
+"""Staging the weights: the model copied to a RAM disk, space-checked, atomic, verified,
+idempotent, one stager per copy.
 
 The copy goes to a hidden temporary directory that is renamed into place only once every file is
 copied and verified, so an interrupted copy never passes for a model. A manifest of the source
@@ -22,12 +22,12 @@ from pathlib import Path
 
 from regen.config import RunConfig
 from regen.errors import RegenError
-from regen.progress import format_bytes
+from regen.manifest import SMALL_FILE, STAGED_COPY_RECORD, Manifest, model_fingerprint
+from regen.results import StagedModel
+from regen.units import format_bytes
 
-log = logging.getLogger("regen.stage")
+log = logging.getLogger("regen.weights")
 
-MANIFEST = ".regen-manifest.json"
-SMALL_FILE = 64 * 1024 * 1024  # hashed whole; larger files are checked by size
 SPACE_MARGIN = 1.02
 
 
@@ -36,7 +36,7 @@ class StageError(RegenError):
 
 
 @dataclass
-class StageResult:
+class CopyResult:
     path: Path
     copied: bool
     bytes: int
@@ -46,7 +46,7 @@ class StageResult:
 def source_manifest(src: Path) -> dict[str, dict]:
     files = {}
     for path in sorted(src.rglob("*")):
-        if path.is_file() and path.name != MANIFEST:
+        if path.is_file() and path.name != STAGED_COPY_RECORD:
             st = path.stat()
             files[str(path.relative_to(src))] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
     return files
@@ -60,30 +60,6 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def model_fingerprint(model_dir: str | Path) -> str | None:
-    """What makes two generations comparable: the model's config, tokenizer and chat template
-    (contents) and its weight files (names, sizes, and their first and last MiB: a retrained
-    checkpoint of the same shape differs there, a copy does not). None when the directory is not
-    here."""
-    model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        return None
-    digest = hashlib.sha256()
-    for path in sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
-        rel = str(path.relative_to(model_dir))
-        digest.update(rel.encode())
-        size = path.stat().st_size
-        if path.suffix in (".json", ".jinja", ".txt", ".model") and size <= SMALL_FILE:
-            digest.update(path.read_bytes())
-            continue
-        digest.update(str(size).encode())
-        with open(path, "rb") as fh:
-            digest.update(fh.read(1 << 20))
-            fh.seek(max(0, size - (1 << 20)))
-            digest.update(fh.read(1 << 20))
-    return digest.hexdigest()[:16]
-
-
 def staged_path(src: Path, staging_dir: Path) -> Path:
     """One place per source directory, so two models with the same name do not collide."""
     tag = hashlib.sha256(str(src.resolve()).encode()).hexdigest()[:8]
@@ -95,7 +71,7 @@ def _copy_one(src: Path, dst: Path, rel: str) -> None:
     shutil.copyfile(src / rel, dst / rel)  # copy_file_range / sendfile under the hood
 
 
-def stage_model(src: str | Path, staging_dir: str | Path, workers: int = 4) -> StageResult:
+def stage_model(src: str | Path, staging_dir: str | Path, workers: int = 4) -> CopyResult:
     src, staging_dir = Path(src), Path(staging_dir)
     if not (src / "config.json").is_file():
         raise StageError(f"model_path {src}: not a model directory (no config.json)")
@@ -103,7 +79,7 @@ def stage_model(src: str | Path, staging_dir: str | Path, workers: int = 4) -> S
     manifest = source_manifest(src)
     total = sum(f["size"] for f in manifest.values())
     dest = staged_path(src, staging_dir)
-    recorded = dest / MANIFEST
+    recorded = dest / STAGED_COPY_RECORD
     if recorded.exists():
         try:
             previous = json.loads(recorded.read_text())
@@ -112,7 +88,7 @@ def stage_model(src: str | Path, staging_dir: str | Path, workers: int = 4) -> S
         if previous.get("source") == str(src.resolve()) and previous.get("files") == manifest:
             log.info("%s already staged at %s (%d files, %.1f MB): nothing to do",
                      src, dest, len(manifest), total / 1e6)
-            return StageResult(dest, False, total, time.monotonic() - started)
+            return CopyResult(dest, False, total, time.monotonic() - started)
         log.info("%s changed since it was staged: staging again", src)
     staging_dir.mkdir(parents=True, exist_ok=True)
     for leftover in staging_dir.glob(f".{dest.name}.*"):  # a copy interrupted earlier
@@ -131,7 +107,7 @@ def stage_model(src: str | Path, staging_dir: str | Path, workers: int = 4) -> S
             order = sorted(manifest, key=lambda rel: -manifest[rel]["size"])
             list(pool.map(lambda rel: _copy_one(src, tmp, rel), order))
         checksums = verify_copy(src, tmp, manifest)
-        (tmp / MANIFEST).write_text(json.dumps(
+        (tmp / STAGED_COPY_RECORD).write_text(json.dumps(
             {"source": str(src.resolve()), "files": manifest, "sha256": checksums}, indent=1))
         tmp.chmod(0o755)
         if dest.exists():
@@ -143,7 +119,7 @@ def stage_model(src: str | Path, staging_dir: str | Path, workers: int = 4) -> S
     elapsed = time.monotonic() - started
     log.info("staged %s to %s: %d files, %.1f MB in %.1f s (%.0f MB/s)", src, dest, len(manifest),
              total / 1e6, elapsed, total / 1e6 / max(elapsed, 1e-9))
-    return StageResult(dest, True, total, elapsed)
+    return CopyResult(dest, True, total, elapsed)
 
 
 def verify_copy(src: Path, copy: Path, manifest: dict[str, dict]) -> dict[str, str]:
@@ -161,12 +137,9 @@ def verify_copy(src: Path, copy: Path, manifest: dict[str, dict]) -> dict[str, s
     return checksums
 
 
-def stage_weights(cfg: RunConfig) -> dict:
-    """The stage: the path the servers load (the staged copy, or the source when staging is off)
-    and its fingerprint, computed once, from that copy, into the run manifest."""
-    from regen.layout import RunLayout
-    from regen.manifest import Manifest
-
+def stage_weights(cfg: RunConfig) -> StagedModel:
+    """The path the servers load (the staged copy, or the source when staging is off) and its
+    fingerprint, computed once, from that copy, into the run manifest."""
     if not cfg.stage_weights:
         doc = {"path": cfg.model_path, "copied": False, "bytes": 0, "seconds": 0.0,
                "summary": f"staging off: the servers load {cfg.model_path}"}
@@ -177,6 +150,6 @@ def stage_weights(cfg: RunConfig) -> dict:
         doc = {"path": str(result.path), "copied": result.copied, "bytes": result.bytes,
                "seconds": round(result.seconds, 3), "summary": f"{what}: {result.path}"}
     doc["fingerprint"] = model_fingerprint(doc["path"])
-    Manifest(RunLayout(cfg.output)).update(model={"source": cfg.model_path, "path": doc["path"],
-                                                  "fingerprint": doc["fingerprint"]})
-    return doc
+    Manifest(cfg.layout).update(model={"source": cfg.model_path, "path": doc["path"],
+                                       "fingerprint": doc["fingerprint"]})
+    return StagedModel(**doc)

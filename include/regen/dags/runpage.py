@@ -12,8 +12,9 @@ token (the UI's cookie, or a Bearer header) is checked by the deployment's auth 
 import html
 import secrets
 
-from regen.config import RunConfig
-from regen.layout import RunLayout
+from regen.config import RunConfig, run_fields
+from regen.dags.definitions import run_definitions
+from regen.pipeline import run
 
 PAGE_CSP = ("default-src 'none'; script-src 'nonce-{nonce}'; style-src 'unsafe-inline'; connect-src 'self'; "
             "frame-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'self'")
@@ -24,22 +25,17 @@ REPORT_CSP = ("default-src 'none'; img-src data:; style-src 'unsafe-inline'; bas
 def run_config(dag_id: str, conf: "dict | None") -> "RunConfig | None":
     """The config a run of a regen DAG ran with: its conf over the DAG's defaults (a
     deployment's config file, or the schema's); None when the DAG is not one of regen's."""
-    from regen.deployment import run_definitions
-
     defaults = {d.dag_id: d.config for d in run_definitions()[0]}.get(dag_id)
     if defaults is None:
         return None
-    given = {k: v for k, v in (conf or {}).items() if k in RunConfig.model_fields}
+    given = {k: v for k, v in (conf or {}).items() if k in run_fields()}
     return RunConfig.from_mapping({**defaults.model_dump(mode="json"), **given}, source="run conf")
 
 
 def config_data(cfg: RunConfig) -> dict:
-    """The progress stage's document, read where the run's output lives (over SSH for a run on
+    """The status stage's document, read where the run's output lives (over SSH for a run on
     an SSH node)."""
-    from regen.pipeline import run
-    from regen.progress import progress
-
-    data = run(progress, cfg)
+    data = run("status", cfg).model_dump(mode="json")
     if cfg.ssh_conn_id:
         data["output"] = f"{cfg.ssh_conn_id}:{data['output']}"
     return data
@@ -92,7 +88,7 @@ def create_app():
         cfg = config_of(dag_id, run_id, session)
         if cfg.ssh_conn_id:
             raise HTTPException(404, f"the report is on {cfg.ssh_conn_id}: {cfg.output}/audit/report.html")
-        path = RunLayout(cfg.output).report_html
+        path = cfg.layout.audit.report_html
         if not path.exists():
             raise HTTPException(404, "the audit has not run yet")
         return FileResponse(path, media_type="text/html")
@@ -100,7 +96,7 @@ def create_app():
     return app
 
 
-PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>regen: __TITLE__</title>
+PAGE = r"""<!doctype html><html><head><meta charset="utf-8"><title>regen: __TITLE__</title>
 <style>
 body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}h1{font-size:1.3em}h2{font-size:1.05em;margin-top:1.5em}
 table{border-collapse:collapse}td,th{padding:.25em .7em;border-bottom:1px solid #ddd;text-align:right}

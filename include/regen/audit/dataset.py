@@ -1,0 +1,185 @@
+"""The loss-mask audit of a whole dataset: every sample checked as training will see it.
+
+It streams the dataset's Parquet shards in batches (in a process per core once the data is large
+enough), renders and counts each sample (regen.audit.rules), checks that each row is this run's
+(its manifest), and writes the report directory (regen.layout.AuditFiles): ``summary.json``,
+``samples.parquet`` (one row per sample, to filter the data by), the samples viewer's
+conversations and a self-contained ``report.html`` with histograms.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from collections import Counter, deque
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from regen.audit import report, viewer
+from regen.audit.findings import (SAMPLE_SCHEMA, AuditFailed, AuditReport, AuditSummary, AuditThresholds, fold,
+                                  mark_duplicates)
+from regen.audit.rules import audit_batch
+from regen.chat.render import load_tokenizer
+from regen.config import RunConfig
+from regen.files import atomic_path, atomic_write_json, atomic_write_text
+from regen.layout import AuditFiles, RunLayout
+from regen.manifest import Manifest
+from regen.progress import RunProgress
+from regen.prompts import shard_of
+from regen.results import AuditResult
+from regen.rows import count_rows, iter_batches
+
+log = logging.getLogger("regen.audit")
+
+
+class Provenance:
+    """Which rows this run produced: the prompt hash its manifest recorded for the id, and the
+    dataset's one settings hash (the manifest's, else the most common)."""
+
+    def __init__(self, layout: RunLayout):
+        self.manifest = Manifest(layout)
+        doc = self.manifest.read()
+        self.num_shards = doc.get("num_shards") if layout.prompt_index.exists() else None
+        self.settings_counts: Counter = Counter()
+        for path in layout.data_files():
+            if "settings_hash" in pq.ParquetFile(path).schema_arrow.names:
+                self.settings_counts.update(pq.read_table(path, columns=["settings_hash"])["settings_hash"].to_pylist())
+        common = self.settings_counts.most_common(1)
+        self.settings_hash = doc.get("settings_hash") or (common[0][0] if common else None)
+        self._slices: dict[int, dict[str, str]] = {}
+
+    def _expected(self, prompt_id: str) -> str | None:
+        shard = shard_of(prompt_id, self.num_shards)
+        if shard not in self._slices:
+            if len(self._slices) > 4:
+                self._slices.clear()
+            self._slices[shard] = self.manifest.shard_prompts(shard).hashes
+        return self._slices[shard].get(prompt_id)
+
+    def check(self, rows: list[dict], results: list[dict]) -> None:
+        for row, result in zip(rows, results):
+            if self.num_shards and "prompt_hash" in row and row["prompt_hash"] != self._expected(row["id"]):
+                result["findings"].append("stale_prompt")
+            if self.settings_hash and row.get("settings_hash", self.settings_hash) != self.settings_hash:
+                result["findings"].append("foreign_settings")
+
+    def to_json(self) -> dict:
+        return {"settings_hash": self.settings_hash, "rows_per_settings_hash": dict(self.settings_counts),
+                "checked_against_manifest": bool(self.num_shards)}
+
+
+def audit_rows(rows: list[dict], tokenizer_dir: str, thresholds: AuditThresholds,
+               default_thinking: bool = True) -> tuple[AuditSummary, list[dict]]:
+    """Audit rows held in memory (the canary) with the same code as the dataset audit."""
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    results = audit_batch(rows, tokenizer, thresholds, default_thinking)
+    mark_duplicates(results, set())
+    summary = AuditSummary()
+    fold(summary, rows, results)
+    return summary, results
+
+
+_worker_state: tuple | None = None
+
+
+def _worker_init(tokenizer_dir: str, thresholds: AuditThresholds, default_thinking: bool) -> None:
+    global _worker_state
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    _worker_state = (load_tokenizer(tokenizer_dir), thresholds, default_thinking)
+
+
+def _worker_audit(rows: list[dict]) -> list[dict]:
+    tokenizer, thresholds, default_thinking = _worker_state
+    return audit_batch(rows, tokenizer, thresholds, default_thinking)
+
+
+def audited_batches(batches: Iterable[list[dict]], tokenizer_dir: str, thresholds: AuditThresholds,
+                    default_thinking: bool, workers: int) -> Iterator[tuple[list[dict], list[dict]]]:
+    """(rows, results) in order; with ``workers`` > 1, batches are audited in that many processes,
+    at most two batches per worker in flight so memory stays bounded."""
+    if workers <= 1:
+        tokenizer = load_tokenizer(tokenizer_dir)
+        for rows in batches:
+            yield rows, audit_batch(rows, tokenizer, thresholds, default_thinking)
+        return
+    context = multiprocessing.get_context("spawn")  # a fork would inherit the tokenizer's threads
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
+                             initargs=(tokenizer_dir, thresholds, default_thinking)) as pool:
+        pending: deque = deque()
+        for rows in batches:
+            pending.append((rows, pool.submit(_worker_audit, rows)))
+            if len(pending) >= 2 * workers:
+                done_rows, future = pending.popleft()
+                yield done_rows, future.result()
+        while pending:
+            done_rows, future = pending.popleft()
+            yield done_rows, future.result()
+
+
+def audit_dataset(data: str | Path, tokenizer_dir: str | Path, report_dir: str | Path,
+                  thresholds: AuditThresholds, default_thinking: bool = True,
+                  batch_size: int = 512, workers: int | None = None) -> AuditReport:
+    """``data``: an output directory or its data/. ``workers``: processes to audit with; default
+    every core once the data is large enough to pay for their start-up (a few seconds each)."""
+    layout = RunLayout.from_data_arg(data)
+    files = AuditFiles(Path(report_dir))
+    files.root.mkdir(parents=True, exist_ok=True)
+    if workers is None:
+        workers = (os.cpu_count() or 1) if count_rows(layout) >= 8 * batch_size else 1
+    summary = AuditSummary()
+    seen: set[str] = set()
+    provenance = Provenance(layout)
+    batches = iter_batches(layout, batch_size)
+    with atomic_path(files.samples_parquet) as samples_tmp, \
+            pq.ParquetWriter(samples_tmp, SAMPLE_SCHEMA, compression="zstd") as writer:
+        for rows, results in audited_batches(batches, str(tokenizer_dir), thresholds,
+                                             default_thinking, workers):
+            mark_duplicates(results, seen)
+            provenance.check(rows, results)
+            fold(summary, rows, results)
+            writer.write_table(pa.Table.from_pylist(results, schema=SAMPLE_SCHEMA))
+            if summary.samples % (batch_size * 20) < len(rows):
+                log.info("audited %s samples", f"{summary.samples:,}")
+    audit_report = AuditReport(summary, thresholds, files, provenance.to_json())
+    atomic_write_json(files.summary_json, audit_report.to_json())
+    views = sample_views(layout, files.samples_parquet, str(tokenizer_dir), thresholds)
+    atomic_write_json(files.samples_view_json, views)
+    atomic_write_text(files.report_html, report.render_html(audit_report, views))
+    return audit_report
+
+
+def sample_views(layout: RunLayout, samples: Path, tokenizer_dir: str, thresholds: AuditThresholds) -> list[dict]:
+    """The samples viewer's conversations (regen.audit.viewer): one more pass over the data for them."""
+    why = viewer.pick(samples)
+    results: dict[str, dict] = {}
+    for s in pq.read_table(samples).to_pylist():
+        if s["id"] in why:
+            results.setdefault(s["id"], s)
+    rows: dict[str, dict] = {}
+    for batch in iter_batches(layout):
+        for row in batch:
+            if row["id"] in why:
+                rows.setdefault(row["id"], row)
+    return viewer.build(list(rows.values()), results, why, load_tokenizer(tokenizer_dir),
+                        thresholds.train_template, thresholds.train_max_length)
+
+
+def audit_run(cfg: RunConfig, data: str | None = None, tokenizer: str | None = None,
+              report_dir: str | None = None) -> AuditResult:
+    """The audit stage: AuditFailed (with the five-line summary) when the data fails. ``data``
+    takes an output directory or its data/ (default: the run's output)."""
+    layout = RunLayout.from_data_arg(data) if data else cfg.layout
+    result = audit_dataset(layout.root, tokenizer or cfg.model_path,
+                           Path(report_dir) if report_dir else layout.audit.root,
+                           AuditThresholds.from_config(cfg), default_thinking=cfg.enable_thinking)
+    doc = result.to_json()
+    RunProgress(layout).write_section("audit", doc)
+    if not result.passed:
+        raise AuditFailed("\n".join(result.lines()), doc)
+    return AuditResult.model_validate({**doc, "output": str(layout.root),
+                                       "dataset_uri": layout.asset_uri(cfg.ssh_conn_id)})

@@ -1,0 +1,197 @@
+"""What the audit finds and decides: the findings per sample, the thresholds, the summary, the
+verdict. The data model every other part of the audit (rules, run, report, viewer) reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from regen.config import RunConfig
+from regen.errors import RegenError
+from regen.layout import AuditFiles
+
+
+FINDINGS = (
+    "error",               # the prompt failed for good; no sample to train on
+    "duplicate_id",        # the id appears more than once
+    "degenerate",          # loss mask under min_loss_tokens, or thinking asked and none came back
+    "missing_reasoning",   # thinking was on and no reasoning came back
+    "truncated",           # finish_reason length
+    "truncated_in_thinking",  # cut off before </think>: no answer at all
+    "empty_answer",        # nothing after the reasoning
+    "think_markers_in_content",  # <think> or </think> leaked into the answer
+    "stale_prompt",        # not what this run's manifest says was sent for the id (edited, removed)
+    "foreign_settings",    # made with another model or other settings than the dataset's
+    "cut",                 # longer than the training's max length: training sees it cut
+    "degenerate_after_cut",  # enough loss tokens whole, too few once cut
+    "retokenized_differs",  # the answer's text, re-encoded as training renders it, is not the generated tokens
+)
+
+
+# Findings that fail the audit whatever their number: rows this run did not produce.
+PROVENANCE = ("stale_prompt", "foreign_settings")
+
+
+SAMPLE_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("loss_tokens", pa.int64()),  # as training sees them: after the cut at train_max_length
+    ("loss_tokens_uncut", pa.int64()),
+    ("tokens", pa.int64()),  # the whole rendered conversation, before the cut
+    ("completion_tokens", pa.int64()),
+    ("findings", pa.list_(pa.string())),
+])
+
+
+class AuditFailed(RegenError):
+    """The data fails its thresholds; the message is the audit's five-line summary."""
+
+    def __init__(self, message: str, summary: dict | None = None):
+        super().__init__(message)
+        self.summary = summary or {}
+
+    def detail(self) -> dict:
+        return {"summary": self.summary}
+
+    @classmethod
+    def from_detail(cls, message: str, detail: dict) -> "AuditFailed":
+        return cls(message, detail.get("summary"))
+
+
+@dataclass(frozen=True)
+class AuditThresholds:
+    """What a sample is checked against: the limits, and the training's view of it."""
+
+    min_loss_tokens: int
+    max_degenerate_fraction: float
+    train_template: str = "qwen3-thinking"
+    train_max_length: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> "AuditThresholds":
+        return cls(cfg.audit.min_loss_tokens, cfg.audit.max_degenerate_fraction, cfg.audit.train_template, cfg.audit.train_max_length)
+
+
+@dataclass
+class AuditSummary:
+    samples: int = 0
+    audited: int = 0  # samples that are not error rows
+    counts: dict[str, int] = field(default_factory=lambda: {f: 0 for f in FINDINGS})
+    loss_tokens: list[int] = field(default_factory=list)
+    completion_tokens: list[int] = field(default_factory=list)
+    thinking_rows: int = 0
+    reasoning_rows: int = 0
+    example: dict[str, Any] | None = None
+
+    def fraction(self, finding: str) -> float:
+        return self.counts[finding] / self.audited if self.audited else 0.0
+
+    @property
+    def degenerate_fraction(self) -> float:
+        return self.fraction("degenerate")
+
+
+def mark_duplicates(results: list[dict], seen_ids: set[str]) -> None:
+    """Duplicates across the whole dataset: the one finding that needs every id seen so far."""
+    for result in results:
+        if result["id"] in seen_ids:
+            result["findings"].insert(0, "duplicate_id")
+        seen_ids.add(result["id"])
+
+
+def fold(summary: AuditSummary, rows: list[dict], results: list[dict]) -> None:
+    for row, result in zip(rows, results):
+        summary.samples += 1
+        for finding in result["findings"]:
+            summary.counts[finding] += 1
+        if "error" in result["findings"]:
+            continue
+        summary.audited += 1
+        summary.loss_tokens.append(result["loss_tokens"])
+        if result["completion_tokens"] is not None:
+            summary.completion_tokens.append(int(result["completion_tokens"]))
+        if row.get("enable_thinking", True) is not False:
+            summary.thinking_rows += 1
+        if (row.get("reasoning_content") or "").strip():
+            summary.reasoning_rows += 1
+        if summary.example is None and "degenerate" in result["findings"]:
+            summary.example = {"id": row["id"], "loss_tokens": result["loss_tokens"],
+                               "reasoning_content": row.get("reasoning_content"),
+                               "content": (row.get("content") or "")[:300],
+                               "findings": result["findings"]}
+
+
+@dataclass
+class AuditReport:
+    summary: AuditSummary
+    thresholds: AuditThresholds
+    files: AuditFiles
+    provenance: dict = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return self.summary.audited > 0 and not any(self.summary.counts[f] for f in PROVENANCE) and (
+            self.summary.degenerate_fraction <= self.thresholds.max_degenerate_fraction)
+
+    def verdict(self) -> str:
+        return "PASS" if self.passed else "FAIL"
+
+    def to_json(self) -> dict:
+        s = self.summary
+        return {
+            "verdict": self.verdict(),
+            "samples": s.samples,
+            "audited": s.audited,
+            "degenerate_fraction": round(s.degenerate_fraction, 6),
+            "thresholds": {"min_loss_tokens": self.thresholds.min_loss_tokens,
+                           "max_degenerate_fraction": self.thresholds.max_degenerate_fraction},
+            "train_view": {"template": self.thresholds.train_template,
+                           "max_length": self.thresholds.train_max_length,
+                           "cut_fraction": round(s.fraction("cut"), 6),
+                           "degenerate_after_cut_fraction": round(s.fraction("degenerate_after_cut"), 6)},
+            "counts": s.counts,
+            "fractions": {f: round(s.fraction(f), 6) for f in FINDINGS},
+            "loss_tokens": _stats(s.loss_tokens),
+            "completion_tokens": _stats(s.completion_tokens),
+            "thinking_rows": s.thinking_rows,
+            "reasoning_rows": s.reasoning_rows,
+            "example_degenerate": s.example,
+            "provenance": self.provenance,
+            "summary": self.lines(),
+        }
+
+    def lines(self) -> list[str]:
+        """The five-line summary for a task log or a terminal."""
+        s = self.summary
+        loss, comp = _stats(s.loss_tokens), _stats(s.completion_tokens)
+        top = sorted(((n, f) for f, n in s.counts.items() if n and f != "degenerate"), reverse=True)
+        return [
+            f"audit {self.verdict()}: {s.counts['degenerate']:,} of {s.audited:,} samples degenerate "
+            f"(degenerate fraction {s.degenerate_fraction:.4f}, limit "
+            f"{self.thresholds.max_degenerate_fraction:.4f})",
+            f"loss tokens as {self.thresholds.train_template} trains on them"
+            + (f" cut at {self.thresholds.train_max_length:,}" if self.thresholds.train_max_length else "")
+            + f": median {loss['median']}, p5 {loss['p5']}, p95 {loss['p95']} (min_loss_tokens "
+            f"{self.thresholds.min_loss_tokens}); the cut shortens {s.fraction('cut'):.1%} of samples, "
+            f"{s.fraction('degenerate_after_cut'):.1%} left too short; completion tokens median "
+            f"{comp['median']}, max {comp['max']}",
+            "findings: " + (", ".join(f"{f} {n:,}" for n, f in top) if top else "none"),
+            f"reasoning present on {s.reasoning_rows:,} of {s.thinking_rows:,} samples that asked "
+            f"for thinking; {s.counts['error']:,} error rows, {s.counts['duplicate_id']:,} duplicate ids"
+            + (f"; NOT THIS RUN'S: {s.counts['stale_prompt']:,} stale prompts, "
+               f"{s.counts['foreign_settings']:,} other settings"
+               if any(s.counts[f] for f in PROVENANCE) else ""),
+            f"report: {self.files.report_html}",
+        ]
+
+
+def _stats(values: list[int]) -> dict[str, Any]:
+    if not values:
+        return {"count": 0, "min": None, "p5": None, "median": None, "mean": None, "p95": None,
+                "max": None}
+    arr = np.asarray(values)
+    return {"count": int(arr.size), "min": int(arr.min()), "p5": int(np.percentile(arr, 5)),
+            "median": int(np.median(arr)), "mean": round(float(arr.mean()), 1),
+            "p95": int(np.percentile(arr, 95)), "max": int(arr.max())}

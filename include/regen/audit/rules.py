@@ -1,0 +1,91 @@
+"""The rules: each sample rendered, masked and cut as the training's template and max length
+will, and what is found in it."""
+
+from __future__ import annotations
+
+from regen.audit.findings import AuditThresholds
+from regen.chat.loss import assistant_spans, loss_token_counts
+from regen.chat.render import render, training_messages
+from regen.chat.templates import TRAIN_TEMPLATES
+from regen.rows import row_messages
+
+
+def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds,
+                default_thinking: bool = True) -> list[dict]:
+    """Findings and loss tokens of each row (duplicates aside: see mark_duplicates), each
+    conversation rendered, masked and cut as the training's template and max length will."""
+    template = TRAIN_TEMPLATES[thresholds.train_template]
+    fmt = template.fmt
+    results: list[dict] = [None] * len(rows)  # type: ignore[list-item]
+    to_render: list[int] = []
+    conversations = []
+    for i, row in enumerate(rows):
+        findings: list[str] = []
+        results[i] = {"id": row["id"], "loss_tokens": 0, "loss_tokens_uncut": 0, "tokens": 0,
+                      "completion_tokens": row.get("completion_tokens"), "findings": findings}
+        if row.get("error") is not None:
+            findings.append("error")
+            continue
+        to_render.append(i)
+        conversations.append(training_messages(row_messages(row), row.get("reasoning_content"),
+                                               row.get("content"), template))
+    texts = render(tokenizer, conversations, True if template.enable_thinking else None)
+    counts = loss_token_counts(tokenizer, texts, fmt, thresholds.train_max_length, template.ignore)
+    differs = retokenized_differs(tokenizer, texts, [rows[i] for i in to_render], fmt)
+    for j, i in enumerate(to_render):
+        row, result, count = rows[i], results[i], counts[j]
+        findings = result["findings"]
+        result.update(loss_tokens=count.loss, loss_tokens_uncut=count.uncut, tokens=count.total)
+        content = row.get("content") or ""
+        thinking = row.get("enable_thinking")
+        thinking = default_thinking if thinking is None else bool(thinking)
+        reasonings = [row.get("reasoning_content")] + [m.get("reasoning_content") for m in _regenerated(row)]
+        if thinking and not all((r or "").strip() for r in reasonings):
+            findings.append("missing_reasoning")
+        if row.get("finish_reason") == "length":
+            findings.append("truncated")
+            if (fmt.think_start in content and fmt.think_end not in content) or (
+                    (reasonings[0] or "").strip() and not content.strip()):
+                findings.append("truncated_in_thinking")
+        if not content.strip():
+            findings.append("empty_answer")
+        if fmt.think_start in content or fmt.think_end in content:
+            findings.append("think_markers_in_content")
+        if thresholds.train_max_length and count.total > thresholds.train_max_length:
+            findings.append("cut")
+            if count.loss < thresholds.min_loss_tokens <= count.uncut:
+                findings.append("degenerate_after_cut")
+        if differs[j]:
+            findings.append("retokenized_differs")
+        if count.loss < thresholds.min_loss_tokens or "missing_reasoning" in findings:
+            findings.append("degenerate")
+    return results
+
+
+def retokenized_differs(tokenizer, texts: list[str], rows: list[dict], fmt) -> list[bool]:
+    """Per rendered conversation whose row holds the generated tokens: whether its last
+    assistant turn, as training renders and re-encodes it, is other tokens than the engine
+    generated (a drafter would learn what the target never produced)."""
+    out = [False] * len(texts)
+    todo = []
+    for i, row in enumerate(rows):
+        spans = assistant_spans(texts[i], fmt) if row.get("completion_token_ids") is not None else []
+        if spans:
+            start, end = spans[-1]
+            todo.append((i, texts[i][start:end].removesuffix(fmt.after_eos)))
+    encodings = tokenizer._tokenizer.encode_batch([span for _, span in todo], add_special_tokens=False)
+    for (i, _), encoding in zip(todo, encodings):
+        generated = list(rows[i]["completion_token_ids"])
+        ids = encoding.ids if rows[i].get("finish_reason") == "stop" else encoding.ids[:len(generated)]
+        out[i] = ids != generated
+    return out
+
+
+def _regenerated(row: dict) -> list[dict]:
+    """The earlier assistant turns this run regenerated (all of them with regenerate_turns all;
+    none with last, whose history is the dataset's own)."""
+    turns = row.get("turns")
+    earlier = len(turns) - 1 if turns else 0
+    if earlier <= 0:
+        return []
+    return [m for m in row_messages(row) if m["role"] == "assistant"][-earlier:]

@@ -1,0 +1,99 @@
+"""Conversations rendered as training renders them, with the model's own tokenizer and chat
+template (a local directory only), and the template problems that would make a loss mask wrong."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Sequence
+
+from regen.chat.loss import assistant_spans
+from regen.chat.templates import DEFAULT_TRAIN_TEMPLATE, QWEN, ChatFormat, TrainTemplate
+
+
+@lru_cache(maxsize=8)
+def load_tokenizer(model_dir: str):
+    """A Hugging Face fast tokenizer with its chat template, from a local directory only."""
+    from transformers import AutoTokenizer
+
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{model_dir}: tokenizer directory not found")
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if not tokenizer.is_fast:
+        raise ValueError(f"{model_dir}: needs a fast tokenizer (tokenizer.json) for offsets")
+    if not tokenizer.chat_template:
+        raise ValueError(f"{model_dir}: the tokenizer has no chat template")
+    return tokenizer
+
+
+def training_messages(messages: Sequence[dict[str, Any]], reasoning: str | None, content: str | None,
+                      template: TrainTemplate = DEFAULT_TRAIN_TEMPLATE) -> list[dict[str, Any]]:
+    """The conversation as training prepares it: the messages (earlier assistant turns with their
+    own reasoning) and the final assistant turn; the template's system prompt when there is none;
+    cut where the roles stop alternating; each message with only the keys its parser keeps."""
+    final: dict[str, Any] = {"role": "assistant", "content": content or ""}
+    if reasoning is not None:
+        final["reasoning_content"] = reasoning
+    turns = [*messages, final]
+    out: list[dict[str, Any]] = []
+    if turns[0]["role"] == "system":
+        out.append({"role": "system", "content": turns[0].get("content") or ""})
+        turns = turns[1:]
+    elif template.system_prompt:
+        out.append({"role": "system", "content": template.system_prompt})
+    while turns and turns[0]["role"] != "user":
+        turns = turns[1:]
+    follows = {"tool": ("assistant", "tool"), "assistant": ("user", "tool")}
+    for j, message in enumerate(turns):
+        role = message["role"]
+        if (j == 0 and role != "user") or (j and role in follows and turns[j - 1]["role"] not in follows[role]):
+            break
+        out.append({k: v for k, v in message.items()
+                    if k in template.message_keys and not (k == "reasoning_content" and v is None)}
+                   | {"content": message.get("content") or ""})
+    return out
+
+
+def render(tokenizer, conversations: Sequence[list[dict[str, Any]]], enable_thinking: bool | None) -> list[str]:
+    """``enable_thinking`` None: the template's own default (SpecForge's general parser)."""
+    if not conversations:
+        return []
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    rendered = tokenizer.apply_chat_template(
+        list(conversations), tokenize=False, add_generation_prompt=False, **kwargs)
+    return rendered if isinstance(rendered, list) else [rendered]
+
+
+def render_generation_prompt(tokenizer, messages: list[dict[str, Any]], enable_thinking: bool) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+    )
+
+
+def template_problems(tokenizer, enable_thinking: bool, fmt: ChatFormat = QWEN) -> list[str]:
+    """What in the chat template would make the loss mask wrong; empty when it is fine."""
+    probe = [{"role": "user", "content": "What is 2 + 2?"}]
+    problems = []
+    try:
+        prompt = render_generation_prompt(tokenizer, probe, enable_thinking)
+        full = render(tokenizer, [training_messages(probe, "Two plus two is four.", "4")],
+                      enable_thinking)[0]
+    except Exception as exc:  # a template error is a finding, whatever its type
+        return [f"chat template fails to render: {type(exc).__name__}: {exc}"]
+    if not prompt.endswith(fmt.assistant_header) and fmt.assistant_header not in prompt:
+        problems.append(f"generation prompt has no assistant header {fmt.assistant_header!r}")
+    empty_think = f"{fmt.think_start}\n\n{fmt.think_end}"
+    if enable_thinking and prompt.rstrip().endswith(empty_think):
+        problems.append(
+            "chat template pre-fills an empty think block with enable_thinking=true: "
+            "the model would answer without reasoning"
+        )
+    spans = [full[start:end] for start, end in assistant_spans(full, fmt)]
+    if not spans:
+        problems.append(f"rendered conversation has no assistant span {fmt.assistant_header!r}")
+    elif enable_thinking and "Two plus two is four." not in spans[-1]:
+        problems.append("chat template drops reasoning_content from the final assistant turn")
+    elif not spans[-1].endswith(fmt.end_of_turn):
+        problems.append(f"assistant turn does not end with {fmt.end_of_turn!r}")
+    return problems

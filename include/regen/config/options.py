@@ -1,0 +1,240 @@
+"""The run's fields, grouped by the part of regen that reads them. Each group is handed whole to
+its reader (the server manager gets ``servers``, the client ``sampling`` and ``generation``),
+and each field keeps the flat name users know (regen.config.fields)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator
+
+from regen.chat.templates import TRAIN_TEMPLATES
+from regen.config.fields import Options
+
+SpeculativeAlgorithm = Literal["EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"]
+# SpecForge's chat templates regen can audit for (their markers: regen.chat.templates).
+TrainTemplate = Literal[tuple(TRAIN_TEMPLATES)]  # type: ignore[valid-type]
+
+CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+HOST = re.compile(r"^[A-Za-z0-9.:\-\[\]]+$")
+# Extra server flags are passed as argv items, never through a shell; this pattern only keeps
+# out what no SGLang/vLLM flag or value needs, so that a typo cannot smuggle a second command
+# into a remote (SSH) command line.
+SAFE_ARG = re.compile(r"^[A-Za-z0-9_./:=,+\-@%{}\"' ]*$")
+
+
+def plain_path(value: str | None) -> str | None:
+    """A path as a field holds it: not empty, no control characters (a newline in a path would
+    split a log line or a command)."""
+    if value is None:
+        return None
+    if not value.strip():
+        raise ValueError("must not be empty")
+    if CONTROL_CHARS.search(value):
+        raise ValueError("must not contain control characters (newline, NUL, ...)")
+    return value
+
+
+def _in(section: str, **extra: Any) -> dict[str, Any]:
+    return {"section": section, **extra}
+
+
+class ServerOptions(Options):
+    """How the node's servers are started, reached and supervised."""
+
+    section: ClassVar[str] = "Servers"
+
+    gpus: list[int] | None = Field(
+        None, title="GPUs",
+        description="GPU indices, one server each. Empty: every GPU `nvidia-smi` lists, or "
+        "`num_servers` servers where there is no GPU.")
+    num_servers: int = Field(
+        2, ge=1, le=64, title="Servers without GPUs",
+        description="How many servers to start when no GPU list applies (sim, vllm-cpu).")
+    host: str = Field("127.0.0.1", title="Bind host", description="Address the servers listen on.")
+    base_port: int = Field(30000, ge=1024, le=65000, title="Base port",
+                           description="Server i listens on base_port + i.")
+    api_key: str | None = Field(
+        None, title="API key",
+        description="Key the servers require. Empty: a fresh key is generated for each run.",
+        json_schema_extra={"secret": True})
+    startup_timeout_s: float = Field(
+        1800.0, gt=0, title="Startup timeout (s)",
+        description="How long a server may take to become healthy; large models take minutes.")
+    engine_python: str | None = Field(
+        None, title="Engine interpreter",
+        description="Python that runs the engine (often a separate venv with SGLang or vLLM). "
+        "Empty: the interpreter running regen.")
+    idle_shutdown_s: float | None = Field(
+        300.0, gt=0, title="Idle shutdown (s)",
+        description="Servers that no shard or canary has used for this long stop by themselves, "
+        "whatever happens to Airflow (a watchdog on the node). Empty: never.")
+    extra_server_args: list[str] = Field(
+        default_factory=list, title="Extra server arguments",
+        description="Appended to the launch command as separate arguments, e.g. `--tp-size` `2`.")
+
+    @field_validator("engine_python")
+    @classmethod
+    def _engine_python(cls, value: str | None) -> str | None:
+        return plain_path(value)
+
+    @field_validator("host")
+    @classmethod
+    def _hostname(cls, value: str) -> str:
+        if not HOST.match(value):
+            raise ValueError("must be a host name or an IP address")
+        return value
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9_.][A-Za-z0-9_\-.]{7,255}", value):
+            raise ValueError("must be 8 to 256 characters of letters, digits, '_', '-', '.', "
+                             "not starting with '-'")
+        return value or None
+
+    @field_validator("extra_server_args")
+    @classmethod
+    def _safe_args(cls, value: list[str]) -> list[str]:
+        for arg in value:
+            if not SAFE_ARG.match(arg):
+                raise ValueError(f"argument {arg!r} has a character no server flag needs")
+        return value
+
+    def count_hint(self) -> int:
+        """Servers this config starts where no GPU is detected."""
+        return len(self.gpus) if self.gpus else self.num_servers
+
+
+class EngineOptions(Options):
+    """What the engine is told at launch: its parsers, speculative decoding, memory, limits."""
+
+    section: ClassVar[str] = "Servers"
+
+    reasoning_parser: str | None = Field(
+        "qwen3", title="Reasoning parser",
+        description="`--reasoning-parser` of the engine; splits the thinking trace into "
+        "`reasoning_content`.")
+    speculative_algorithm: SpeculativeAlgorithm | None = Field(
+        None, title="Speculative algorithm",
+        description="SGLang `--speculative-algorithm` (NEXTN is an alias of EAGLE, used for MTP).")
+    speculative_num_steps: int | None = Field(None, ge=1, title="Speculative steps")
+    speculative_eagle_topk: int | None = Field(None, ge=1, title="Speculative top-k")
+    speculative_num_draft_tokens: int | None = Field(None, ge=1, title="Speculative draft tokens")
+    mem_fraction_static: float | None = Field(None, gt=0, lt=1, title="Static memory fraction")
+    max_running_requests: int | None = Field(
+        None, ge=1, title="Max running requests", description="Per server (`--max-running-requests`).")
+    max_mamba_cache_size: int | None = Field(None, ge=1, title="Mamba cache slots")
+    context_length: int | None = Field(
+        None, ge=16, title="Context length",
+        description="Override of the model's context length (`--context-length`).")
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _parser_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9_\-]+", value):
+            raise ValueError("must be a parser name such as qwen3")
+        return value or None
+
+
+class SimulatorOptions(Options):
+    """regen's simulator of SGLang (engine ``sim``): its speed and the faults it injects."""
+
+    section: ClassVar[str] = "Simulator"
+    flat_prefix: ClassVar[str] = "sim_"
+
+    tokens_per_second: float = Field(0.0, ge=0, title="Simulated tokens/s per request",
+                                     description="0 answers at once.")
+    ttft_s: float = Field(0.0, ge=0, title="Simulated time to first token (s)")
+    failure_rate: float = Field(0.0, ge=0, le=1, title="Simulated HTTP 500 rate")
+    hang_rate: float = Field(0.0, ge=0, le=1, title="Simulated hang rate")
+    ignore_thinking: bool = Field(
+        False, title="Simulate a server without thinking",
+        description="The simulator ignores `enable_thinking` and answers like a server "
+        "launched with thinking off: the failure that ruined the 914k-sample dataset.")
+
+
+class SamplingOptions(Options):
+    """What is asked of the model for every request."""
+
+    section: ClassVar[str] = "Sampling"
+
+    max_tokens: int = Field(4096, ge=1, title="Max output tokens")
+    temperature: float = Field(0.6, ge=0, le=2, title="Temperature")
+    top_p: float = Field(0.95, gt=0, le=1, title="Top-p")
+    top_k: int | None = Field(20, ge=1, title="Top-k")
+    seed: int | None = Field(
+        None, title="Seed",
+        description="Sent with each request; SGLang ignores it unless deterministic inference is on.")
+
+
+class GenerationOptions(Options):
+    """How the prompts are split into shards and sent."""
+
+    section: ClassVar[str] = "Generation"
+
+    regenerate_turns: Literal["all", "last"] = Field(
+        "all", title="Regenerate turns",
+        description="all: every assistant turn of a conversation, in order, each request holding the "
+                    "model's own earlier answers (as SpecForge does); last: only the final turn, after the "
+                    "dataset's original history.")
+    num_shards: int = Field(
+        4, ge=1, le=4096, title="Shards",
+        description="Generation is split into this many Airflow tasks, by a stable hash of the id.")
+    concurrency_per_server: int | None = Field(
+        None, ge=1, title="Concurrency per server",
+        description="Requests in flight per server, all shards on the node together. Empty: what "
+        "the server reports it runs at once (`/server_info`) plus the queue margin; never more.")
+    queue_margin: int = Field(
+        4, ge=0, le=1024, title="Queue margin per server",
+        description="Requests kept waiting at each server beyond what it runs at once, so its "
+        "batch stays full between requests. Every shard on the node shares one budget per "
+        "server: its effective limit plus this margin.")
+    request_timeout_s: float = Field(
+        1800.0, gt=0, title="Request timeout (s)",
+        description="Read timeout of one generation. A retry restarts from token 0, so keep it "
+        "long enough for a full thinking trace.")
+    max_attempts: int = Field(
+        6, ge=1, title="Attempts per prompt",
+        description="Transport errors, 5xx and 429 are retried up to this many attempts in all.")
+    max_error_fraction: float = Field(
+        0.05, ge=0, le=1, title="Max error fraction per shard",
+        description="A shard whose failed prompts pass this fraction fails instead of writing "
+        "error rows.")
+
+
+class CanaryOptions(Options):
+    """The few real requests before the shards start, and the optional approval after them."""
+
+    section: ClassVar[str] = "Canary"
+    flat_names: ClassVar[dict[str, str]] = {"size": "canary_size", "approve": "approve_after_canary"}
+
+    size: int = Field(8, ge=1, le=1000, title="Canary prompts",
+                      description="Real requests sent through the full path before the shards start.")
+    approve: bool = Field(
+        False, title="Approve after the canary",
+        description="A person approves the run in Airflow (human-in-the-loop task) after reading the "
+                    "canary's examples and estimate; reject stops the run before generation, servers "
+                    "stopped.")
+
+
+class AuditOptions(Options):
+    """What a sample is checked against, and the training's view of it."""
+
+    section: ClassVar[str] = "Audit"
+
+    min_loss_tokens: int = Field(16, ge=1, title="Min loss tokens",
+                                 description="A sample whose loss mask holds fewer tokens is degenerate.")
+    max_degenerate_fraction: float = Field(
+        0.01, ge=0, le=1, title="Max degenerate fraction",
+        description="The audit fails the run above this fraction of degenerate samples.")
+    train_template: TrainTemplate = Field(
+        "qwen3-thinking", title="Training template",
+        description="SpecForge's chat template for training (its --chat-template): the audit renders "
+                    "each sample as its parser will. Templates whose parser drops reasoning_content are "
+                    "refused when thinking is on.")
+    train_max_length: int | None = Field(
+        2048, ge=16, title="Training max length",
+        description="SpecForge's --max-length: tokens past it are cut before training (its default "
+                    "2048). Empty: no cut.")

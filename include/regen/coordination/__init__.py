@@ -1,0 +1,37 @@
+"""Every lock, lease and slot regen holds, and what happens to each when its holder dies.
+
+All of them are files held with ``flock``: the kernel drops the lock however the holder ends
+(exit, SIGKILL, a lost Celery worker), so no lock outlives its process and nothing needs a
+timeout to be freed. Files are opened read-write, which exclusive locks need on NFSv4 (mount
+without ``local_lock``) and Lustre (mount with ``-o flock``); a mount that keeps locks local to
+each client cannot coordinate several nodes. Paths are :class:`regen.layout.RunLayout`'s.
+
+====================================  =====================================  ============================  ========================================  ==========================
+lock file                             holder                                 scope                         when the holder dies                      who cleans up
+====================================  =====================================  ============================  ========================================  ==========================
+``work/servers/servers.lock``         whoever starts, relaunches or stops    one start or stop, blocking   the lock is free; a half-started server   the next start or teardown
+(``work/nodes/NODE/``, per node)      the node's servers                                                   is in servers.json with its pid           (start_servers stops it)
+``work/locks/shard-I-of-N.lock``      the one generator of shard I           its attempt; a second one     free: Airflow's retry takes it and        nothing (the file stays,
+                                      (text: ``pid P on HOST``)              fails at once                 resumes from the journal                  holding the last holder)
+``work/manifest.lock``,               the writer of manifest.json; the one   one write, one indexing       free; the write is atomic, so the old     nothing
+``work/index.lock``                   process indexing the prompt file                                     manifest stays whole
+``work/servers/leases/NAME.lease``    a shard or the canary using the        its whole use, renewed        free at once; stale after 60 s without    ``live_leases`` (the
+                                      node's servers (its demand inside)     (mtime) every rebalance       renewal (a hung holder)                   watchdog, every shard)
+``work/servers/slots/HOST-PORT/``     a process with requests in flight on   taken and given back as       free: the slots go to the other shards    nothing
+``slot-NNNN`` (request slots)         that server                            fair shares change            at their next rebalance
+``work/claims/NODE/slot-NNNN``        a shard generating on NODE             the shard's attempt           free: the node takes another shard        nothing
+(shard claims)
+``STAGING/.NAME.lock``                the process staging one model copy     the copy and its check        free; the half copy is a hidden temp      the next staging removes it
+====================================  =====================================  ============================  ========================================  ==========================
+
+The watchdog (:mod:`regen.servers.watchdog`) is the one process that outlives Airflow on purpose:
+it stops a node's servers when no lease has been live for ``idle_shutdown_s``.
+"""
+
+from regen.coordination.leases import Lease, live_leases
+from regen.coordination.locks import FileLock, LockHeld, is_locked
+from regen.coordination.shares import FairShare, water_fill
+from regen.coordination.slots import SlotPool, request_slots, shard_claims
+
+__all__ = ["FairShare", "FileLock", "Lease", "LockHeld", "SlotPool", "is_locked", "live_leases",
+           "request_slots", "shard_claims", "water_fill"]

@@ -1,0 +1,94 @@
+"""The simulator's settings, declared once: each is a field here, a command-line flag of
+``regen sim`` (SGLang's own name where SGLang has the flag, ``--sim-*`` where it is a fault or a
+speed knob of the simulator), and what the engine adapter (regen.engines.sim) passes at launch."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+FAULT_MARKER = "[sim-fault]"
+
+
+def _flag(name: str, help: str = "", default: Any = None) -> Any:
+    return field(default=default, metadata={"flag": name, "help": help})
+
+
+@dataclass
+class SimSettings:
+    model_path: str | None = _flag("--model-path", "model directory: its config.json gives the context "
+                                   "length, its tokenizer and chat template the token ids")
+    served_model_name: str | None = _flag("--served-model-name")
+    context_length: int | None = _flag("--context-length")
+    max_running_requests: int | None = _flag("--max-running-requests", "the launch value; null in "
+                                             "/server_info when not given, as SGLang")
+    api_key: str | None = _flag("--api-key")
+    speculative_algorithm: str | None = _flag("--speculative-algorithm")
+    reasoning_parser: str | None = _flag("--reasoning-parser")
+    seed: int = _flag("--random-seed", default=0)
+    effective_max_running_requests: int | None = _flag(
+        "--sim-effective-max-running-requests", "run and report fewer requests than "
+        "--max-running-requests, as SGLang does on hybrid Mamba models (issue 38846)")
+    tokens_per_second: float = _flag("--sim-tokens-per-second", "decode speed per request, alone in "
+                                     "the batch (0: answer at once)", 0.0)
+    batch_slowdown: float = _flag("--sim-batch-slowdown", "per-request decode speed with b running: "
+                                  "tokens-per-second / (1 + this x (b-1))", 0.0)
+    prefill_tokens_per_second: float = _flag("--sim-prefill-tokens-per-second", "prompt tokens "
+                                             "prefilled a second while the batch waits (0: free)", 0.0)
+    ttft_s: float = _flag("--sim-ttft", "time to first token (s)", 0.0)
+    failure_rate: float = _flag("--sim-failure-rate", "fraction of requests answered with HTTP 500", 0.0)
+    hang_rate: float = _flag("--sim-hang-rate", "fraction of requests that never answer", 0.0)
+    ignore_thinking: bool = _flag("--sim-ignore-thinking", "answer like a server launched with "
+                                  "thinking off", False)
+    ignore_thinking_after: int | None = _flag(
+        "--sim-ignore-thinking-after", "think for the first N requests, then ignore enable_thinking "
+        "(a server relaunched mid-run with the wrong flags)")
+    startup_delay_s: float = _flag("--sim-startup-delay", "seconds before /health answers 200", 0.0)
+    fail_while: str | None = _flag("--sim-fail-while", f"while FILE exists, answer HTTP 500 to prompts "
+                                   f"containing {FAULT_MARKER!r} (a fault that goes away)")
+    request_log: str | None = _flag("--sim-request-log", "append every chat request's messages to "
+                                    "FILE (JSON lines)")
+    orphan_child: bool = _flag("--sim-orphan-child", "leave a child that ignores SIGTERM and outlives "
+                               "the server, as SGLang's scheduler children have been seen to do "
+                               "(issues 23627, 15165)", False)
+
+    @property
+    def served_name(self) -> str:
+        return self.served_model_name or (self.model_path or "sim").rstrip("/").rsplit("/", 1)[-1]
+
+
+def argument_parser() -> argparse.ArgumentParser:
+    """``regen sim``'s flags: the settings', SGLang's that only need accepting, and where to listen."""
+    p = argparse.ArgumentParser(prog="regen sim", description="an SGLang-compatible simulator")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--enable-metrics", action="store_true", help="accepted; metrics are always on")
+    for flag in ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",
+                 "--mem-fraction-static", "--max-mamba-cache-size"):
+        p.add_argument(flag, default=None, help="accepted for SGLang parity; no effect")
+    for f in fields(SimSettings):
+        kind = f.type if isinstance(f.type, type) else str(f.type)
+        options: dict[str, Any] = {"dest": f.name, "help": f.metadata["help"] or None}
+        if kind is bool or kind == "bool":
+            p.add_argument(f.metadata["flag"], action="store_true", **options)
+            continue
+        base = kind.split("|")[0].strip() if isinstance(kind, str) else kind.__name__
+        p.add_argument(f.metadata["flag"], type={"int": int, "float": float}.get(base, str),
+                       default=f.default, **options)
+    return p
+
+
+def from_args(args: argparse.Namespace) -> SimSettings:
+    return SimSettings(**{f.name: getattr(args, f.name) for f in fields(SimSettings)})
+
+
+def to_argv(**values: Any) -> list[str]:
+    """The flags that set ``values`` (settings by field name); defaults are left out."""
+    argv: list[str] = []
+    for f in fields(SimSettings):
+        if f.name not in values or values[f.name] == f.default:
+            continue
+        value = values[f.name]
+        argv += [f.metadata["flag"]] if value is True else [f.metadata["flag"], str(value)]
+    return argv

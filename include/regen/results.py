@@ -1,0 +1,124 @@
+"""What each stage returns: one typed document per stage, the same whether the stage ran here or
+on an SSH node (it crosses the wire as JSON and is read back into the same type). Every result
+has a ``summary``: what the task log shows a person."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from regen.units import format_duration
+
+
+class StageResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    def summary_lines(self) -> list[str]:
+        summary = getattr(self, "summary", None)
+        return summary if isinstance(summary, list) else [summary] if summary else []
+
+
+class PreflightResult(StageResult):
+    shards: list[int]  # the shards with work left: what the DAG maps generate over
+    up_to_date: bool
+    info: dict[str, Any]
+    seconds: float
+    summary: str
+
+
+class StagedModel(StageResult):
+    path: str  # what the servers load: the staged copy, or the source when staging is off
+    copied: bool
+    bytes: int
+    seconds: float
+    fingerprint: str | None
+    summary: str
+
+
+class ServersUp(StageResult):
+    urls: list[str]
+    servers: list[dict[str, Any]]
+    summary: str
+
+
+class ServersStopped(StageResult):
+    stopped: int
+    left: list[dict[str, Any]]  # other runs' servers, left running
+    summary: str
+
+
+class ServerLogs(StageResult):
+    servers: int
+    logs: str
+    summary: str
+
+
+class CanaryReport(StageResult):
+    passed: bool
+    samples: int
+    estimate: dict[str, Any]
+    examples: list[dict[str, Any]]
+    summary: str
+
+    @classmethod
+    def merged(cls, reports: list["CanaryReport"]) -> "CanaryReport":
+        """One report for a run's nodes, each of which ran its own canary."""
+        if len(reports) == 1:
+            return reports[0]
+        return cls(passed=all(r.passed for r in reports), samples=sum(r.samples for r in reports),
+                   estimate={"text": "; ".join(r.estimate.get("text", "n/a") for r in reports)},
+                   examples=[e for r in reports for e in r.examples],
+                   summary="; ".join(r.summary for r in reports))
+
+
+class ShardResult(StageResult):
+    shard: int
+    num_shards: int
+    total: int
+    done: int
+    failed: int
+    skipped: int
+    bad_records: int
+    seconds: float
+    tokens: int
+    path: str | None
+    node: str | None = None  # the node it generated on, when the run lists nodes
+    summary: str = ""
+
+    def model_post_init(self, _context: Any) -> None:
+        if not self.summary:
+            rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
+            self.summary = (f"shard {self.shard}/{self.num_shards}: {self.done + self.skipped:,}/{self.total:,} "
+                            f"rows ({self.skipped:,} from earlier runs), {self.failed:,} failed, "
+                            f"{self.bad_records:,} unreadable records, {rate:,.0f} tok/s, "
+                            f"{format_duration(self.seconds)}")
+
+
+class AuditResult(StageResult):
+    verdict: str
+    samples: int
+    audited: int
+    degenerate_fraction: float
+    thresholds: dict[str, Any]
+    train_view: dict[str, Any]
+    counts: dict[str, int]
+    fractions: dict[str, float]
+    loss_tokens: dict[str, Any]
+    completion_tokens: dict[str, Any]
+    thinking_rows: int
+    reasoning_rows: int
+    example_degenerate: dict[str, Any] | None
+    provenance: dict[str, Any]
+    summary: list[str]
+    output: str | None = None  # the output directory audited
+    dataset_uri: str | None = None  # its data/ as an Airflow Asset URI (on an SSH node, named by it)
+
+
+class RunStatus(StageResult):
+    output: str
+    progress: dict[str, Any]
+    history: list[dict[str, Any]]
+    audit: dict[str, Any] | None
+    nodes: list[dict[str, Any]]
+    summary: str

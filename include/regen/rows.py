@@ -1,0 +1,101 @@
+"""A dataset row: the one type the client writes, the journal and the shard files hold and the
+audit reads, and reading the rows of an output directory back, a batch at a time.
+
+The Parquet schema and the audit's columns derive from :class:`Row`'s fields.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from regen.errors import DataError
+from regen.layout import RunLayout
+
+MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
+TURN_TYPE = pa.struct([("finish_reason", pa.string()), ("prompt_tokens", pa.int64()),
+                       ("completion_tokens", pa.int64())])
+TOKEN_IDS = pa.list_(pa.int32())
+
+
+def _col(arrow: pa.DataType | None = None, audit: bool = False) -> Any:
+    return field(default=None, metadata={"arrow": arrow, "audit": audit})
+
+
+@dataclass
+class Row:
+    """One prompt's row. For a conversation: ``messages`` is the request of its last turn (its
+    earlier assistant turns the regenerated ones, each with its reasoning), the answer fields are
+    that turn's, ``turns`` every turn's outcome."""
+
+    id: str = _col(audit=True)
+    messages: list[dict] = _col(pa.list_(MESSAGE_TYPE), audit=True)
+    reasoning_content: str | None = _col(audit=True)
+    content: str | None = _col(audit=True)
+    finish_reason: str | None = _col(audit=True)
+    prompt_tokens: int | None = _col()
+    completion_tokens: int | None = _col(audit=True)
+    error: str | None = _col(audit=True)  # None on success; the reason when the prompt failed for good
+    enable_thinking: bool | None = _col(audit=True)
+    model: str | None = _col()
+    server: str | None = _col()
+    attempts: int | None = _col(pa.int32())
+    latency_s: float | None = _col()
+    prompt_hash: str | None = _col(audit=True)  # of exactly what was sent (messages, template kwargs)
+    settings_hash: str | None = _col(audit=True)  # of the served model and the sampling settings
+    # The last turn's tokens as the engine saw and produced them (where it returns them).
+    prompt_token_ids: list[int] | None = _col(TOKEN_IDS, audit=True)
+    completion_token_ids: list[int] | None = _col(TOKEN_IDS, audit=True)
+    turns: list[dict] | None = _col(pa.list_(TURN_TYPE), audit=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+_PLAIN = {str: pa.string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_()}
+
+
+def _arrow_type(f) -> pa.DataType:
+    if f.metadata.get("arrow") is not None:
+        return f.metadata["arrow"]
+    hints = typing.get_type_hints(Row)[f.name]
+    base = [a for a in typing.get_args(hints) if a is not type(None)] if isinstance(hints, types.UnionType) else [hints]
+    return _PLAIN[base[0]]
+
+
+ROW_SCHEMA = pa.schema([(f.name, _arrow_type(f)) for f in fields(Row)])
+AUDIT_COLUMNS = tuple(f.name for f in fields(Row) if f.metadata["audit"])
+REQUIRED_COLUMNS = ("id", "messages", "content")  # a user's own Parquet may hold only these
+
+
+def row_messages(row: dict) -> list[dict]:
+    """The row's messages as plain dicts, without the keys Parquet filled with null."""
+    messages = row["messages"]
+    if hasattr(messages, "tolist"):
+        messages = messages.tolist()
+    return [{k: v for k, v in m.items() if v is not None or k == "content"} for m in messages]
+
+
+def iter_batches(layout: RunLayout, batch_size: int = 512) -> Iterator[list[dict]]:
+    """Rows in batches, one file at a time: memory holds one batch, however large the data."""
+    files = layout.data_files()
+    if not files:
+        raise DataError(f"{layout.data}: no Parquet files to read")
+    for path in files:
+        parquet = pq.ParquetFile(path)
+        names = parquet.schema_arrow.names
+        missing = set(REQUIRED_COLUMNS) - set(names)
+        if missing:
+            raise DataError(f"{path}: the data has no column(s) {sorted(missing)}")
+        wanted = [c for c in AUDIT_COLUMNS if c in names]
+        for batch in parquet.iter_batches(batch_size=batch_size, columns=wanted):
+            yield batch.to_pylist()
+
+
+def count_rows(layout: RunLayout) -> int:
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in layout.data_files())

@@ -1,0 +1,87 @@
+"""What was started, recorded: ``servers.json`` (without the keys) and the keys beside it.
+
+Every later task and every re-run reads the node's servers from here: the node a server runs
+on, the run that owns it, its process (PID and start time), its launch arguments (with the key
+replaced by a placeholder) and the model it serves. The keys are kept outside the output
+directory (an output is shared, copied and archived), in an owner-only folder of the node's user.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Sequence
+
+from regen import procs
+from regen.files import atomic_write_json
+from regen.layout import RunLayout
+
+
+KEY_PLACEHOLDER = "<api-key>"
+
+
+@dataclass
+class ServerRecord:
+    index: int
+    gpu: int | None
+    host: str
+    port: int
+    pid: int
+    log_path: str
+    api_key: str | None
+    start_ticks: int | None = None
+    node: str = ""
+    owner: str = ""
+    launch: list[str] | None = None  # the argv with the key replaced by KEY_PLACEHOLDER
+    model_path: str = ""
+    model_fingerprint: str | None = None
+    served_model: str | None = None  # the name /v1/models gave once the server was healthy
+    env: dict[str, str] | None = None  # the engine's launch environment (a relaunch reuses it)
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+    def running(self) -> bool:
+        return procs.is_running(self.pid, self.start_ticks)
+
+    def public(self) -> dict:
+        """Without the API key: what a result document and a log may carry."""
+        return {"index": self.index, "url": self.url, "pid": self.pid, "gpu": self.gpu,
+                "node": self.node, "owner": self.owner, "log": self.log_path,
+                "model": self.served_model, "model_fingerprint": self.model_fingerprint}
+
+
+def read_state(layout: RunLayout) -> list[ServerRecord]:
+    path = layout.servers_state
+    if not path.exists():
+        return []
+    known = {f.name for f in fields(ServerRecord)}
+    keys_path = key_file(layout)
+    keys = json.loads(keys_path.read_text())["keys"] if keys_path.exists() else {}
+    return [ServerRecord(**{k: v for k, v in item.items() if k in known} | {"api_key": keys.get(str(item["index"]))})
+            for item in json.loads(path.read_text())["servers"]]
+
+
+def key_file(layout: RunLayout) -> Path:
+    """Where the servers' API keys of an output directory are kept: outside it (an output is
+    shared, copied and archived), in an owner-only folder of the node's user."""
+    root = Path(os.environ.get("REGEN_KEY_DIR") or Path.home() / ".cache" / "regen" / "keys")
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    name = str(layout.root.resolve()) + (f"#{layout.node}" if layout.node else "")
+    return root / (hashlib.sha256(name.encode()).hexdigest()[:24] + ".json")
+
+
+def write_state(layout: RunLayout, records: Sequence[ServerRecord]) -> None:
+    """servers.json without the keys; the keys in :func:`key_file`."""
+    path, keys = layout.servers_state, key_file(layout)
+    if not records:
+        path.unlink(missing_ok=True)
+        keys.unlink(missing_ok=True)
+        return
+    atomic_write_json(keys, {"keys": {str(r.index): r.api_key for r in records}}, private=True)
+    atomic_write_json(path, {"servers": [{**asdict(r), "api_key": None} for r in records]}, private=True)

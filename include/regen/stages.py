@@ -1,0 +1,73 @@
+"""The registry of stages: what a task or a command can run, where it runs, and what it returns.
+
+A stage is a function of a RunConfig in its own module, named here by ``module:function`` and
+imported only when it runs: preflight must be able to report a broken module (a SyntaxError
+such as the seed's) without importing it first. The same registry is what preflight's import
+check imports in a fresh interpreter (:func:`entry_modules`) and what a node runs by name
+(``regen run-stage NAME``): nothing else runs by name.
+
+Where a stage runs (:class:`Where`) is decided by :mod:`regen.pipeline`, never by its caller.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+from regen import results
+
+
+class Where(enum.Enum):
+    RUN = "where the run's config says (here, or its SSH node)"
+    NODE = "on one node of the run (its SSH connection, or here: the task is on its queue)"
+    CLAIM = "on the node the shard claims: the one with free room among those that answer"
+    EVERY_NODE = "on every node of the run, one after the other; one merged result"
+    AFTER_GENERATION = "where the run's config says, once the run's own servers are stopped"
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    target: str  # module:function
+    result: type[results.StageResult]
+    where: Where
+    takes_run_id: bool = False
+
+    @property
+    def module(self) -> str:
+        return self.target.split(":")[0]
+
+    def function(self) -> Callable[..., results.StageResult]:
+        module, name = self.target.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+STAGES: dict[str, Stage] = {stage.name: stage for stage in (
+    Stage("preflight", "regen.preflight:check", results.PreflightResult, Where.RUN, takes_run_id=True),
+    Stage("stage_weights", "regen.preflight:prepare_node", results.StagedModel, Where.NODE),
+    Stage("start_servers", "regen.servers.lifecycle:serve", results.ServersUp, Where.NODE, takes_run_id=True),
+    Stage("canary", "regen.canary:probe", results.CanaryReport, Where.EVERY_NODE, takes_run_id=True),
+    Stage("generate", "regen.generate:generate_shard", results.ShardResult, Where.CLAIM, takes_run_id=True),
+    Stage("stop_servers", "regen.servers.lifecycle:teardown", results.ServersStopped, Where.NODE,
+          takes_run_id=True),
+    Stage("audit", "regen.audit.dataset:audit_run", results.AuditResult, Where.AFTER_GENERATION),
+    Stage("server_logs", "regen.servers.lifecycle:tail_logs", results.ServerLogs, Where.NODE),
+    Stage("status", "regen.status:run_status", results.RunStatus, Where.RUN),
+)}
+
+# Programs regen starts as processes of their own (beside the stages, which import the rest).
+PROGRAMS = ("regen.cli", "regen.remote", "regen.servers.watchdog", "regen.logrelay",
+            "regen.engines.simulator.app")
+
+
+def stage(name: str) -> Stage:
+    if name not in STAGES:
+        raise ValueError(f"{name!r} is not a stage (known: {', '.join(STAGES)})")
+    return STAGES[name]
+
+
+def entry_modules() -> list[str]:
+    """Every module a run imports first: importing these proves the code that will run loads."""
+    return list(dict.fromkeys([*(s.module for s in STAGES.values()), *PROGRAMS]))

@@ -1,0 +1,175 @@
+"""Airflow deployments of this project for a test: standalone, Celery components, the DAG."""
+
+import contextlib
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from regen.servers.lifecycle import port_is_free
+from support.paths import BIN, DAG_FILE, ROOT
+from support.processes import free_port_base, processes_with_args, processes_with_env, wait_until
+
+
+def airflow_env(home: Path, port: int, **extra: str) -> dict[str, str]:
+    """An Airflow deployment of this project on loopback: its own home, API port, our DAG."""
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", AIRFLOW_HOME=str(home),
+               AIRFLOW__API__PORT=str(port), AIRFLOW__API__HOST="127.0.0.1",
+               AIRFLOW__CORE__LOAD_EXAMPLES="False",
+               AIRFLOW__CORE__DAGS_FOLDER=str(ROOT / "dags"),
+               AIRFLOW__CORE__PLUGINS_FOLDER=str(ROOT / "plugins"),
+               AIRFLOW__CORE__EXECUTION_API_SERVER_URL=f"http://127.0.0.1:{port}/execution/",
+               AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL="5")
+    env.pop("REGEN_CONFIG_DIR", None)
+    return {**env, **extra}
+
+
+class AirflowProcesses:
+    """Airflow components started for a test, each in its own session with a log; all stopped."""
+
+    def __init__(self, home: Path, env: dict[str, str]):
+        self.home, self.env = home, env
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *argv: str, **extra_env: str) -> None:
+        log = open(self.home / f"{name}.log", "wb")
+        self.procs[name] = subprocess.Popen([str(BIN / "airflow"), *argv], env={**self.env, **extra_env},
+                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_api(self, base: str, timeout: float = 180) -> None:
+        import httpx
+
+        def up() -> bool:
+            for name, proc in self.procs.items():
+                assert proc.poll() is None, f"{name} died: " + (self.home / f"{name}.log").read_text()[-3000:]
+            try:
+                return httpx.get(f"{base}/api/v2/monitor/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, timeout, "the Airflow API server")
+
+    def stop(self) -> None:
+        """SIGTERM every process and all its descendants (`airflow standalone` starts its
+        components in sessions of their own), SIGKILL what is left after a minute."""
+        import psutil
+
+        procs = []
+        for proc in self.procs.values():
+            try:
+                parent = psutil.Process(proc.pid)
+                procs += [parent, *parent.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+        for proc in procs:
+            try:
+                proc.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=60)
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=10)
+        for proc in self.procs.values():
+            proc.wait()
+        left = processes_with_env("AIRFLOW_HOME", str(self.env["AIRFLOW_HOME"]))
+        assert left == [], f"Airflow processes left behind: {left}"
+
+
+def trigger_run(api, cfg, dag_id: str = "regenerate_dataset") -> str:
+    """Wait for the DAG to be parsed, unpause it, trigger a run of ``cfg`` through the REST API."""
+    import json
+
+    wait_until(lambda: api.get(f"/dags/{dag_id}").status_code == 200, 180, "DAG parsed")
+    assert api.patch(f"/dags/{dag_id}", json={"is_paused": False}).status_code == 200
+    conf = json.loads(cfg.model_dump_json(exclude={"node"}))
+    created = api.post(f"/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": conf})
+    assert created.status_code == 200, created.text
+    return created.json()["dag_run_id"]
+
+
+def wait_run(api, run_id: str, timeout: float, dag_id: str = "regenerate_dataset") -> str:
+    path = f"/dags/{dag_id}/dagRuns/{run_id}"
+    wait_until(lambda: api.get(path).json()["state"] in ("success", "failed"), timeout, "the run")
+    return api.get(path).json()["state"]
+
+
+OTHER_DAG = """
+from airflow.sdk import dag, task
+
+@dag(dag_id="not_regen", schedule=None, params={"output": "/"})
+def not_regen():
+    @task
+    def nothing():
+        return 0
+    nothing()
+
+not_regen()
+"""
+
+
+@contextlib.contextmanager
+def airflow_standalone(home: Path, **env: str):
+    """`airflow standalone` on loopback (SQLite, LocalExecutor) in ``home``, its environment
+    extended by ``env``; about 40 s to start. Yields its base URL, an admin token and its home;
+    every process it started is stopped afterwards."""
+    import json
+
+    import httpx
+
+    port = free_port_base(1)
+    cluster = AirflowProcesses(home, airflow_env(home, port, **env))
+    cluster.start("standalone", "standalone")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        cluster.wait_api(base)
+        passwords = home / "simple_auth_manager_passwords.json.generated"
+        wait_until(passwords.exists, 60, "admin password")
+        password = json.loads(passwords.read_text())["admin"]
+        token = httpx.post(f"{base}/auth/token", json={"username": "admin", "password": password},
+                           timeout=30).json()["access_token"]
+        yield {"base": base, "token": token, "home": home}
+    finally:
+        cluster.stop()
+
+
+def load_dag():
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=str(DAG_FILE))
+    assert bag.import_errors == {}
+    return bag.dags["regenerate_dataset"]
+
+
+def _conf(cfg) -> dict:
+    return json.loads(cfg.model_dump_json())
+
+
+def _states(run) -> dict[str, list[str]]:
+    states: dict[str, list[str]] = {}
+    for ti in run.get_task_instances():
+        states.setdefault(ti.task_id, []).append(str(ti.state))
+    return states
+
+
+def asset_events(uri: str) -> list[dict]:
+    """The extras of the asset events recorded in the metadata DB for ``uri``."""
+    from airflow.models.asset import AssetEvent, AssetModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        rows = session.execute(select(AssetEvent.extra).join(AssetModel, AssetEvent.asset_id == AssetModel.id)
+                               .where(AssetModel.uri == uri)).all()
+    return [row[0] for row in rows]
+
+
+def assert_no_server_left(cfg) -> None:
+    """No process serving any of the run's ports, and every port free."""
+    for i in range(cfg.servers.num_servers):
+        port = cfg.servers.base_port + i
+        assert processes_with_args("--port", str(port)) == [], f"a server on port {port} is alive"
+        assert port_is_free(cfg.servers.host, port), f"port {port} still bound"

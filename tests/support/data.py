@@ -1,0 +1,93 @@
+"""Prompts, conversations and generated rows written the way users and regen write them."""
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from regen.dispatch import ClientTuning
+from regen.rows import ROW_SCHEMA
+from support.engines import sim_running
+from support.paths import BIN, ROOT
+from support.processes import wait_until
+
+QUESTION = [{"role": "user", "content": "Reply with OK."}]
+DEMO = [json.loads(line) for line in (ROOT / "demo" / "prompts.jsonl").read_text().splitlines()]
+ORIGINAL = "THE DATASET'S OLD ANSWER"
+
+
+def turn_requests(path: Path, ids=None) -> dict[str, int]:
+    """Per prompt (of ``ids``, default all): the requests it makes with regenerate_turns all,
+    one per user turn."""
+    from regen.prompts import Prompt, read_prompts
+    from regen.turns import user_turns
+
+    return {p.id: user_turns(p.messages) for p in read_prompts(path)
+            if isinstance(p, Prompt) and (ids is None or p.id in ids)}
+
+
+def read_ids(path: Path) -> list[str]:
+    from regen.prompts import Prompt, read_prompts
+
+    return [p.id for p in read_prompts(path) if isinstance(p, Prompt)]
+
+
+def row(i, reasoning="Let me think about this step by step. " * 6, content="The answer is 4.",
+        finish="stop", error=None, thinking=True, messages=QUESTION, completion=60, rid=None):
+    return {"id": rid or f"s{i}", "messages": messages, "reasoning_content": reasoning,
+            "content": content, "finish_reason": finish, "prompt_tokens": 10,
+            "completion_tokens": completion, "error": error, "enable_thinking": thinking,
+            "model": "m", "server": "http://s", "attempts": 1, "latency_s": 1.0,
+            "settings_hash": "x"}
+
+
+def write_dataset(path, rows, files=2):
+    path.mkdir(parents=True)
+    for f in range(files):
+        part = rows[f::files]
+        pq.write_table(pa.Table.from_pylist(part, schema=ROW_SCHEMA), path / f"shard-{f}.parquet")
+    return path
+
+
+FAST = ClientTuning(retry_backoff_s=0.02, retry_backoff_max_s=0.2, probe_interval_s=0.1,
+                    progress_interval_s=0.5, all_down_timeout_s=10)
+
+
+def write_prompts(path: Path, count: int, drop=(), edit=()) -> Path:
+    """``count`` prompts with ids p0..; ``drop`` leaves ids out, ``edit`` changes their text."""
+    with path.open("w") as fh:
+        for i in range(count):
+            if i in drop:
+                continue
+            record = dict(DEMO[i % len(DEMO)], id=f"p{i}")
+            if i in edit:
+                record = {"id": f"p{i}", "prompt": f"An edited question, number {i}?"}
+            fh.write(json.dumps(record) + "\n")
+    return path
+
+
+def cli(*args: str) -> list[str]:
+    return [str(BIN / "regen"), "--no-progress-bar", "generate", *args]
+
+
+def settle(records) -> None:
+    """Requests in flight at a kill finish on the servers before anything is counted."""
+    for r in records:
+        wait_until(lambda: sim_running(r.url) == 0, 30, "servers idle")
+
+
+def write_conversations(path: Path, count: int, turns: int = 3, singles: int = 0) -> Path:
+    """``count`` conversations of ``turns`` user turns, each followed by the dataset's own
+    assistant answer except the last; ``singles`` one-turn prompts after them."""
+    with path.open("w") as fh:
+        for i in range(count):
+            messages = [{"role": "system", "content": "Be brief."}]
+            for k in range(turns):
+                messages.append({"role": "user", "content": f"Conversation {i}, question {k}: why is the sky blue?"})
+                if k < turns - 1:
+                    messages.append({"role": "assistant", "content": ORIGINAL})
+            fh.write(json.dumps({"id": f"c{i}", "messages": messages}) + "\n")
+        for i in range(singles):
+            fh.write(json.dumps({"id": f"s{i}", "prompt": f"Single question {i}?"}) + "\n")
+    return path

@@ -1,0 +1,10 @@
+"""Where the project, the tests' scratch space and this interpreter's commands are."""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TEST_VAR = ROOT / "var" / "test"
+AIRFLOW_HOME = TEST_VAR / "airflow"
+BIN = Path(sys.executable).parent
+DAG_FILE = ROOT / "dags" / "regenerate_dataset.py"

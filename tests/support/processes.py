@@ -1,0 +1,62 @@
+"""Other processes a test started or waits for: free ports, /proc look-ups, polling."""
+
+import os
+import random
+from pathlib import Path
+
+from regen.servers.lifecycle import port_is_free
+
+
+def free_port_base(count: int) -> int:
+    """A base port with ``count`` free ports after it; random so parallel runs rarely collide."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(31000, 59000, 10)
+        if all(port_is_free("127.0.0.1", base + i) for i in range(count)):
+            return base
+    raise RuntimeError("no free port range found")
+
+
+def processes_with_args(*args: str) -> list[int]:
+    """Live processes whose argv holds ``args`` consecutively (e.g. "--port", "31000")."""
+    needle = "\0".join(args).encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and (b"\0" + needle + b"\0") in (b"\0" + cmdline):
+            found.append(int(entry.name))
+    return found
+
+
+def wait_until(predicate, timeout: float, what: str = "condition") -> None:
+    """Poll a condition with a deadline: the way to wait for another process, never a bare sleep."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not met within {timeout} s")
+        time.sleep(0.02)
+
+
+def processes_with_env(name: str, value: str) -> list[int]:
+    """Live processes whose environment has name=value (what a test started, and its children)."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and needle in environ:
+            found.append(int(entry.name))
+    return found
