@@ -117,7 +117,7 @@ def test_the_seeds_dataset_87_percent_ok_fails_with_fraction_087(tmp_path, qwen3
     assert len(samples) == 1000
     assert samples.loc["s0", "loss_tokens"] == 8
     assert "degenerate" in samples.loc["s0", "findings"]
-    assert list(samples.loc["s999", "findings"]) == []
+    assert list(samples.loc["s999#turn0", "findings"]) == []  # the events layout: ID#turnK, as exported
     html = (tmp_path / "report" / "report.html").read_text()
     assert 'id="verdict">FAIL' in html and html.count("data:image/png;base64,") == 2
 
@@ -149,13 +149,21 @@ def test_each_finding_is_reported(tmp_path, tiny_model, bad, finding):
     assert finding in samples.iloc[-1]["findings"]
 
 
-def test_thinking_off_rows_are_not_blamed_for_missing_reasoning(tmp_path, tiny_model):
+def test_thinking_off_rows_pass_for_a_template_without_thinking_only(tmp_path, tiny_model):
+    """Thinking off on purpose (a non-thinking template) is judged by the loss mask alone; the
+    same rows for a thinking template fail in both layouts, however long their answers (the
+    seed's lesson: its 914,000 rows were made with thinking off)."""
     rows = [row(i, reasoning=None, content="A long enough answer " * 8, thinking=False)
             for i in range(10)]
-    report = audit_dataset(write_dataset(tmp_path / "data", rows), tiny_model, tmp_path / "r",
-                           AuditThresholds(16, 0.01))
+    data = write_dataset(tmp_path / "data", rows)
+    report = audit_dataset(data, tiny_model, tmp_path / "r", AuditThresholds(16, 0.01, "qwen3-instruct"))
     assert report.summary.counts["missing_reasoning"] == 0
     assert report.passed
+    for layout in ("events", "conversation"):
+        report = audit_dataset(data, tiny_model, tmp_path / layout,
+                               AuditThresholds(16, 0.01, "qwen3-thinking", train_layout=layout))
+        assert not report.passed and report.summary.counts["left_out"] == 10, layout
+        assert report.summary.left_out == {"no reasoning": 10}
 
 
 def test_audit_of_an_empty_directory_is_a_clear_error(tmp_path, tiny_model):

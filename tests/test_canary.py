@@ -38,8 +38,17 @@ def test_servers_without_thinking_fail_naming_the_reason(sim_servers):
 
 
 def test_thinking_off_on_purpose_is_judged_by_the_loss_mask_only(sim_servers):
-    cfg, records = sim_servers(num_servers=1, enable_thinking=False, min_loss_tokens=4)
+    cfg, records = sim_servers(num_servers=1, enable_thinking=False, min_loss_tokens=4,
+                               train_template="qwen3-instruct")
     assert probe(cfg).estimate["prompts"] == 280
+
+
+def test_thinking_off_for_a_thinking_template_fails_the_canary(sim_servers):
+    """The seed's lesson, before any shard: answers without reasoning, for a drafter trained with
+    a thinking template, are left out of its training data, whatever their length."""
+    cfg, records = sim_servers(num_servers=1, enable_thinking=False, train_template="qwen3-thinking")
+    with pytest.raises(CanaryFailed, match="degenerate"):
+        probe(cfg)
 
 
 def test_the_estimate_accounts_for_batching_and_holds_on_the_run(sim_servers, tmp_path):

@@ -267,7 +267,8 @@ def test_the_audit_fails_rows_this_run_did_not_produce(sim_servers, tmp_path):
     run("generate", cfg.model_copy(update={"max_tokens": 900}), shard=1)  # another setting
     write_prompts(prompts, 200, edit=[3])
     run("preflight", cfg, code=False)  # the next run's manifest: p3 is not what it was
-    report = audit_dataset(cfg.output, cfg.model_path, tmp_path / "audit", AuditThresholds(1, 1.0))
+    report = audit_dataset(cfg.output, cfg.model_path, tmp_path / "audit",
+                           AuditThresholds(1, 1.0, train_layout="conversation"))  # a sample per row
     doc = report.to_json()
     assert doc["verdict"] == "FAIL"
     per_hash = doc["provenance"]["rows_per_settings_hash"]

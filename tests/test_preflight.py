@@ -214,3 +214,38 @@ def test_an_output_made_with_another_shard_count_is_refused(make_config):
     assert run_preflight(cfg, code=False).problems == [
         f"output {cfg.output}: data/ holds shards of a 8-shard run; use num_shards 8 to resume or "
         f"add to it, or a new output directory"]
+
+
+def test_conversations_specforge_refuses_fail_preflight_or_are_skipped_never_sent(make_config, tmp_path):
+    """Each rule counted with examples before any GPU time; with skip_invalid they are listed in
+    work/skipped.jsonl and left out of the prompt index (nothing of them can be sent)."""
+    from regen.manifest import Manifest
+    from regen.preflight import check
+
+    prompts = tmp_path / "p.jsonl"
+    records = [{"id": "ok", "prompt": "fine"},
+               {"id": "twice", "messages": [{"role": "user", "content": "u1"}, {"role": "user", "content": "u2"}]},
+               {"id": "lead", "messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}]},
+               {"id": "tool", "messages": [{"role": "user", "content": "u"}, {"role": "tool", "content": "{}"}]}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    problems = problems_for(make_config, prompts=str(prompts))
+    assert problems[0] == (f"prompts {prompts}: 3 conversations SpecForge's validator refuses (leading_assistant 1, "
+                           f"role_order 1, tool_message 1); fix them, or set skip_invalid to leave them out")
+    assert any(f"{prompts}:2: role_order" in p for p in problems)
+    cfg = make_config(prompts=str(prompts), skip_invalid=True)
+    result = check(cfg, code=False)
+    assert result.info["skipped_conversations"] == {"role_order": 1, "leading_assistant": 1, "tool_message": 1}
+    skipped = [json.loads(line) for line in cfg.layout.skipped_prompts.read_text().splitlines()]
+    assert sorted(s["line"] for s in skipped) == [2, 3, 4] and {s["rule"] for s in skipped} == {
+        "role_order", "leading_assistant", "tool_message"}
+    indexed = [Manifest(cfg.layout).shard_prompts(s).ids for s in range(cfg.generation.num_shards)]
+    assert sorted(sum(indexed, [])) == ["ok"]
+
+
+def test_regenerate_turns_last_with_thinking_is_refused_when_history_has_answers(make_config, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "c", "messages": [
+        {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]}) + "\n")
+    problems = problems_for(make_config, prompts=str(prompts), regenerate_turns="last")
+    assert len(problems) == 1 and problems[0].startswith("regenerate_turns last with thinking on: 1 conversations")
+    assert problems_for(make_config, prompts=str(prompts)) == []  # all: every turn regenerated with reasoning

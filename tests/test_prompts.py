@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pandas as pd
+import pytest
 
-from regen.prompts import Prompt, PromptError, read_prompts, read_shard, shard_of
+from regen.prompts import Prompt, PromptError, read_prompts, shard_of
 from support.data import read_ids
 from support.paths import ROOT
 
@@ -47,7 +48,7 @@ def test_bad_records_are_reported_with_file_and_line_and_do_not_stop_the_read(tm
     assert good == ["ok1", "ok2"]
     assert bad[0].startswith(f"{path}:2: not valid JSON")
     assert bad[1] == f"{path}:3: missing 'id'"
-    assert bad[2] == f"{path}:4: no user turn"
+    assert bad[2] == f"{path}:4: leading_assistant: the conversation starts with an assistant message (id 'x')"
     assert bad[3] == f"{path}:5: 'messages[0]' has unknown role 'wizard'"
     assert bad[4] == f"{path}:6: no 'messages', 'conversations' or 'prompt' field"
 
@@ -63,12 +64,38 @@ def test_parquet_prompts_read_like_jsonl(tmp_path):
 def test_shards_partition_the_ids_and_are_stable_when_prompts_are_added(tmp_path):
     ids = read_ids(ROOT / "demo" / "prompts.jsonl")
     path = ROOT / "demo" / "prompts.jsonl"
-    shards = [[p.id for p in read_shard(path, s, 5)] for s in range(5)]
+    shards = [[i for i in read_ids(path) if shard_of(i, 5) == s] for s in range(5)]
     assert sorted(sum(shards, [])) == sorted(ids)
     assert all(len(s) > 20 for s in shards)  # roughly balanced
     # A prompt's shard depends on its id alone, not on its position or the file's length.
-    assert all(shard_of(i, 5) == s for s, members in enumerate(shards) for i in members)
     bigger = write_jsonl(tmp_path / "more.jsonl",
                          [{"id": f"new-{i}", "prompt": "x"} for i in range(50)]
                          + path.read_text().splitlines())
-    assert [p.id for p in read_shard(bigger, 2, 5) if not p.id.startswith("new-")] == shards[2]
+    assert [i for i in read_ids(bigger) if shard_of(i, 5) == 2 and not i.startswith("new-")] == shards[2]
+
+
+@pytest.mark.parametrize("messages, rule", [
+    ([{"role": "user", "content": "u1"}, {"role": "user", "content": "u2"}], "role_order"),
+    ([{"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}], "leading_assistant"),
+    ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}], "leading_assistant"),
+    ([{"role": "user", "content": "u"}, {"role": "system", "content": "late"}], "late_system"),
+    ([{"role": "user", "content": "  "}], "empty_content"),
+    ([{"role": "user", "content": "u"}, {"role": "assistant", "content": None}], "empty_content"),
+    ([{"role": "user", "content": "u"}, {"role": "tool", "content": "{}"}], "tool_message"),
+    ([{"role": "system", "content": "only"}], "no_user"),
+    ([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}],
+     "role_order"),
+])
+def test_conversations_specforges_validator_refuses_are_named_by_rule(tmp_path, messages, rule):
+    """The rules of SpecForge's regeneration input validator, each refused by its name; the
+    conversations it accepts (system first, user and assistant alternating, ending on either)
+    are read."""
+    path = write_jsonl(tmp_path / "p.jsonl", [
+        {"id": "bad", "messages": messages},
+        {"id": "ok", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+                                  {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"},
+                                  {"role": "assistant", "content": "a2"}]},
+    ])
+    bad, ok = list(read_prompts(path))
+    assert isinstance(bad, PromptError) and bad.rule == rule and bad.line == 1, bad
+    assert isinstance(ok, Prompt) and [m["role"] for m in ok.messages] == ["system", "user", "assistant", "user"]

@@ -77,7 +77,7 @@ def test_max_tokens_cuts_with_finish_reason_length(sim):
     body = chat(url, max_tokens=10).json()
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 10
-    assert body["choices"][0]["message"]["content"] is None  # cut inside the thinking
+    assert body["choices"][0]["message"]["content"] == ""  # cut inside the thinking: SGLang answers ""
 
 
 def test_prompt_over_the_context_is_a_400(sim):

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from regen.audit.dataset import audit_dataset
+from regen.audit.findings import AuditThresholds
 from regen.canary import first_prompts
 from regen.export import export_sharegpt
 from regen.generate import ShardRun
@@ -44,6 +46,8 @@ def test_every_turn_is_regenerated_in_order_on_the_models_own_answers(sim_server
     requests = logged_requests(log)
     assert len(requests) == 6 * 3 + 4  # one request per user turn, nothing twice
     assert not any(ORIGINAL in json.dumps(m) for m in requests)  # the old answers are never sent
+    # earlier answers go back as visible content only (SpecForge's way; the same prompt on every engine)
+    assert not any("reasoning_content" in m for request in requests for m in request if m["role"] == "assistant")
     df = pd.read_parquet(RunLayout(cfg.output).data).set_index("id")
     for i in range(6):
         row = df.loc[f"c{i}"]
@@ -132,6 +136,44 @@ def test_the_export_holds_every_turn_and_passes_the_validators_rules(sim_servers
     assert Counter(sum(m["role"] == "assistant" for m in line["conversations"]) for line in lines) == {3: 5, 1: 5}
 
 
+def expanded(conversation_file: Path) -> tuple[list[dict], int]:
+    """SpecForge's scripts/expand_reasoning_conversations.py as its docs and code state it, in
+    this test's own words: per valid conversation line, one event per assistant message, id
+    ``ID#turnK`` (K counting assistant messages from 0), ``source_id``, ``source_row_index`` (the
+    line's index), ``assistant_turn_index``, its messages the history up to that message with
+    every earlier assistant message stripped of its reasoning, then that message whole; a
+    conversation with any invalid turn is skipped whole. (events, skipped conversations)."""
+    events, skipped = [], 0
+    for index, line in enumerate(conversation_file.read_text().splitlines()):
+        row = json.loads(line)
+        if validator_problem(row) is not None:
+            skipped += 1
+            continue
+        history, k = [], 0
+        for message in row["conversations"]:
+            if message["role"] == "assistant":
+                events.append({"id": f"{row['id']}#turn{k}", "source_id": row["id"], "source_row_index": index,
+                               "assistant_turn_index": k, "conversations": [*history, message],
+                               "status": row["status"]})
+                message = {key: v for key, v in message.items() if key != "reasoning_content"}
+                k += 1
+            history.append(message)
+    return events, skipped
+
+
+def test_the_events_export_is_specforges_expansion_of_the_conversation_file(sim_servers, tmp_path):
+    prompts = write_conversations(tmp_path / "p.jsonl", 5, turns=3, singles=5)
+    cfg, records = sim_servers(prompts=str(prompts), num_shards=1)
+    ShardRun(cfg, [(r.url, r.api_key) for r in records], 0, "m", tuning=FAST).run()
+    conversations, events = tmp_path / "train.jsonl", tmp_path / "events.jsonl"
+    export_sharegpt(cfg.output, conversations)
+    result = export_sharegpt(cfg.output, events, layout="events")
+    expected, skipped = expanded(conversations)
+    assert [json.loads(line) for line in events.read_text().splitlines()] == expected
+    assert result.written == len(expected) == 5 * 3 + 5 and skipped == 0
+    assert all("reasoning_content" in e["conversations"][-1] for e in expected)
+
+
 def validator_problem(row: dict) -> str | None:
     """The rules of SpecForge's scripts/validate_regenerated_data.py with --expect-reasoning
     --strict-think-markers, as its README and code state them."""
@@ -163,6 +205,8 @@ def test_the_export_leaves_out_a_history_the_validator_would_refuse(sim_servers,
     ShardRun(cfg, [(r.url, r.api_key) for r in records], 0, "m", tuning=FAST).run()
     result = export_sharegpt(cfg.output, tmp_path / "train.jsonl")
     assert result.written == 2 and result.left_out == {"no reasoning": 3}
+    events = export_sharegpt(cfg.output, tmp_path / "events.jsonl", layout="events")
+    assert events.written == 2 and events.left_out == {"no reasoning": 3}  # skipped whole, as the expander does
 
 
 def test_the_canary_takes_a_multi_turn_prompt_when_there_is_one(tmp_path):
@@ -173,3 +217,22 @@ def test_the_canary_takes_a_multi_turn_prompt_when_there_is_one(tmp_path):
     assert total == 31 and len(chosen) == 8 and "c0" in [p.id for p in chosen]
     demo, _ = first_prompts(ROOT / "demo" / "prompts.jsonl", 8)
     assert any(sum(m["role"] == "user" for m in p.messages) > 1 for p in demo)
+
+
+def test_a_truncated_earlier_turn_ends_its_conversation_as_an_error(sim_servers, tmp_path):
+    """No later turn is built on an answer cut at max_tokens: the conversation stops there, as an
+    error the audit counts (earlier_turn_cut); one-turn prompts, whose only turn is the last, are
+    kept truncated as before."""
+    log = tmp_path / "requests.jsonl"
+    prompts = write_conversations(tmp_path / "p.jsonl", 3, turns=3, singles=2)
+    cfg, records = sim_servers(prompts=str(prompts), num_shards=1, max_tokens=8, max_error_fraction=1.0,
+                               extra_server_args=["--sim-request-log", str(log)])
+    result = ShardRun(cfg, [(r.url, r.api_key) for r in records], 0, "m", tuning=FAST).run()
+    assert (result.done, result.failed) == (2, 3)
+    assert sorted(turn_key(m)[1] for m in logged_requests(log)) == [0, 0, 0, 0, 0]  # no turn 1 anywhere
+    df = pd.read_parquet(RunLayout(cfg.output).data).set_index("id")
+    for i in range(3):
+        assert df.loc[f"c{i}", "error"].startswith("earlier turn unusable: turn 0 was truncated")
+    assert pd.isna(df.loc["s0", "error"]) and df.loc["s0", "finish_reason"] == "length"
+    report = audit_dataset(cfg.output, cfg.model_path, tmp_path / "audit", AuditThresholds(1, 1.0))
+    assert report.summary.counts["earlier_turn_cut"] == 3

@@ -7,6 +7,7 @@ fails. About 3 minutes (each vLLM server takes about 40 s to start and 3 GB).
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pandas as pd
@@ -15,7 +16,7 @@ import pytest
 from support.data import read_ids, turn_requests
 from support.engines import TRAINED_MODEL as MODEL
 from support.engines import VLLM_PYTHON
-from support.paths import ROOT
+from support.paths import BIN, ROOT
 
 
 @pytest.fixture
@@ -41,10 +42,13 @@ def vllm_config(make_config, monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_vllm_end_to_end_thinking_on_passes_and_off_fails(airflow_db, vllm_config):
+def test_vllm_end_to_end_thinking_on_passes_and_off_fails(airflow_db, vllm_config, monkeypatch, tmp_path):
     from support.airflow import _conf, _states, assert_no_server_left, asset_events, load_dag
 
-    cfg = vllm_config()
+    requests_log = tmp_path / "requests.jsonl"  # what the vLLM servers received, logged by vLLM itself
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests" / "fixtures" / "vllm_plugins"))
+    monkeypatch.setenv("REGEN_TEST_REQUEST_LOG", str(requests_log))
+    cfg = vllm_config(extra_server_args=["--enforce-eager", "--middleware", "request_log.log_request"])
     run = load_dag().test(run_conf=_conf(cfg))
     states = _states(run)
     assert run.state == "success", states
@@ -63,8 +67,25 @@ def test_vllm_end_to_end_thinking_on_passes_and_off_fails(airflow_db, vllm_confi
         assert len(earlier) == len(turns) - 1
         assert all((m["reasoning_content"] or "").strip() for m in earlier)
         assert not any(m["content"].startswith("Here is one fact") for m in earlier)  # not the dataset's
+    # Earlier answers went back to vLLM as visible content only, never their reasoning.
+    sent = [json.loads(line)["messages"] for line in requests_log.read_text().splitlines()]
+    histories = [[m for m in messages if m["role"] == "assistant"] for messages in sent]
+    assert sum(1 for h in histories if h) >= len(multi)
+    assert not any(set(m) & {"reasoning_content", "reasoning"} for h in histories for m in h)
     summary = json.loads((Path(cfg.output) / "audit" / "summary.json").read_text())
     assert summary["verdict"] == "PASS"
+    assert summary["train_view"]["layout"] == "events"  # Qwen3's template drops history reasoning
+    # The export in both layouts: events are SpecForge's expansion of the conversation file.
+    for layout in ("conversation", "events"):
+        out = subprocess.run([str(BIN / "regen"), "export", "--data", cfg.output, "--format", "sharegpt",
+                              "--layout", layout, "--out", str(tmp_path / f"{layout}.jsonl")],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+    conversations = [json.loads(line) for line in (tmp_path / "conversation.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert len(events) == sum(sum(m["role"] == "assistant" for m in c["conversations"]) for c in conversations)
+    assert len(events) > len(conversations) > 0.9 * len(df)
+    assert summary["audited"] == len(events) + sum(summary["train_view"]["export_left_out"].values())
     # On the CPU, regen runs vLLM's model inside its engine core, without the worker process that
     # spins against it (regen.engines.vllm.VLLM.launch_env).
     server_logs = list(cfg.layout.servers.glob("server-*.log"))

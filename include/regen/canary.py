@@ -122,15 +122,15 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
         if row["id"] not in seen:
             rows.append(row)
             seen.add(row["id"])
-    summary, results = audit_rows(rows, cfg.model_path, AuditThresholds.from_config(cfg),
-                                  cfg.enable_thinking)
+    summary, samples, results = audit_rows(rows, cfg.model_path, AuditThresholds.from_config(cfg),
+                                           cfg.enable_thinking)
     result = CanaryResult(rows)
-    n = len(rows)
+    n = len(samples)  # the samples training will see: one per assistant turn in the events layout
 
     def check(finding: str, message: str, limit: float = MAX_BAD_FRACTION, plausible: float | None = None) -> None:
         """A problem when more than ``limit`` of the samples have the finding, or (``plausible``)
         when so many would be unlikely (under 1%) if the dataset's true fraction were that."""
-        bad = [(row, res) for row, res in zip(rows, results) if finding in res["findings"]]
+        bad = [(row, res) for row, res in zip(samples, results) if finding in res["findings"]]
         if len(bad) / n > limit or (plausible is not None and bad and _tail(len(bad), n, plausible) < 0.01):
             row, res = bad[0]
             sample = {"id": row["id"], "loss_tokens": res["loss_tokens"],

@@ -188,9 +188,11 @@ def cmd_audit(args) -> int:
 def cmd_export(args) -> int:
     if args.format == "tokens":
         cfg = load_config(args)
-        result = export_tokens(args.data, args.out, args.tokenizer or cfg.model_path, cfg.audit.train_template)
+        result = export_tokens(args.data, args.out, args.tokenizer or cfg.model_path, cfg.audit.train_template,
+                               args.layout or cfg.audit.train_layout, cfg.enable_thinking)
     else:
-        result = export_sharegpt(args.data, args.out, expect_reasoning=args.expect_reasoning)
+        result = export_sharegpt(args.data, args.out, expect_reasoning=args.expect_reasoning,
+                                 layout=args.layout or "conversation")
     print(result.summary())
     return 0
 
@@ -301,6 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["sharegpt", "tokens"], default="sharegpt",
                    help="sharegpt: conversations (text); tokens: input_ids and loss_mask from the "
                         "tokens the engine returned")
+    p.add_argument("--layout", choices=["conversation", "events"], default=None,
+                   help="conversation: one record per prompt (sharegpt's default: what SpecForge's "
+                        "regenerate script writes and its validator checks); events: one per assistant "
+                        "turn (what its expand_reasoning_conversations.py writes; train with "
+                        "train_only_last_turn). tokens: default the run's train_layout")
     p.add_argument("--tokenizer", help="tokens: tokenizer directory (default: the model path)")
     p.add_argument("--out", required=True, type=Path, help="JSONL file to write")
     p.add_argument("--expect-reasoning", action=argparse.BooleanOptionalAction, default=True,

@@ -153,6 +153,10 @@ class Generator:
                 self.recent.append((time.monotonic(), row["completion_tokens"] or 0))
             if last:
                 return conversation.conversation_row(row)
+            unusable = conversation.unusable(row)
+            if unusable:
+                self.pool.demand = max(0, self.pool.demand - (conversation.turns_left - 1))
+                return conversation.conversation_row({**row, "error": unusable, "retryable": False})
             self.turn_sink(conversation.add_answer(row))
 
     async def worker(self, queue: asyncio.Queue, feed: "_Feed") -> None:

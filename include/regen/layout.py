@@ -12,6 +12,7 @@
         journal/shard-*.jsonl             rows of shards in progress
         locks/shard-*.lock                one generator per shard
         errors/shard-*.txt                unreadable prompt records, file:line
+        skipped.jsonl                     conversations left out by skip_invalid, with the rule
         servers/                          servers.json, servers.lock, server-I.log, watchdog.*,
                                           leases/NAME.lease, slots/HOST-PORT/slot-NNNN
         nodes/NODE/                       the same, per node of a run over several nodes
@@ -148,6 +149,10 @@ class RunLayout:
 
     def shard_lock(self, shard: int, num_shards: int) -> Path:
         return self.work / "locks" / f"{shard_name(shard, num_shards)}.lock"
+
+    @property
+    def skipped_prompts(self) -> Path:
+        return self.work / "skipped.jsonl"
 
     def errors(self, shard: int, num_shards: int) -> Path:
         return self.work / "errors" / f"{shard_name(shard, num_shards)}.txt"

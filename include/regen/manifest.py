@@ -102,6 +102,8 @@ class PromptIndexWriter:
 
     def feed(self, item) -> str | None:
         """Index a prompt; for a record that cannot be sent, the problem line (file:line)."""
+        if isinstance(item, PromptError) and item.rule is not None:
+            return str(item)  # refused by a rule: preflight fails, or lists it as skipped
         if isinstance(item, PromptError):
             problem, line = str(item), item.line
         elif item.id in self.first_line:

@@ -117,7 +117,10 @@ def check_code(python: str = sys.executable, files: list[Path] | None = None,
 
 
 def check_prompts(cfg: RunConfig, report: PreflightReport, max_listed: int = 20) -> None:
-    """Every record readable, every id once; the prompt index of the run manifest on the way."""
+    """Every record readable, every id once, every conversation one SpecForge's validator takes
+    (or, with skip_invalid, those it refuses listed in the skipped file, never sent); the prompt
+    index of the run manifest on the way."""
+    from regen.files import atomic_write_text
     from regen.manifest import PromptIndexWriter
     from regen.prompts import PromptError, read_prompts
 
@@ -128,15 +131,20 @@ def check_prompts(cfg: RunConfig, report: PreflightReport, max_listed: int = 20)
     index = PromptIndexWriter(cfg)
     bad: list[str] = []
     duplicates: list[str] = []
-    count, longest_chars, longest = 0, 0, None
+    refused: dict[str, list[PromptError]] = {}
+    count, longest_chars, longest, history_without_reasoning = 0, 0, None, 0
     try:
         for item in read_prompts(path):
             problem = index.feed(item)
+            if isinstance(item, PromptError) and item.rule is not None:
+                refused.setdefault(item.rule, []).append(item)
+                continue
             if problem is not None:
                 (bad if isinstance(item, PromptError) else duplicates).append(problem)
             if isinstance(item, PromptError):
                 continue
             count += 1
+            history_without_reasoning += any(m["role"] == "assistant" for m in item.messages)
             chars = sum(len(m["content"]) for m in item.messages)
             if chars > longest_chars:
                 longest_chars, longest = chars, item
@@ -151,6 +159,28 @@ def check_prompts(cfg: RunConfig, report: PreflightReport, max_listed: int = 20)
         report.problems.extend(lines[:max_listed])
         if len(lines) > max_listed:
             report.problems.append(f"prompts {path}: ... and {len(lines) - max_listed} more {what}s")
+    if refused:
+        counts = ", ".join(f"{rule} {len(items):,}" for rule, items in sorted(refused.items()))
+        if cfg.generation.skip_invalid:
+            skipped = cfg.layout.skipped_prompts
+            skipped.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(skipped, "".join(
+                json.dumps({"file": e.file, "line": e.line, "rule": e.rule, "reason": e.reason}) + "\n"
+                for items in refused.values() for e in items))
+            report.info["skipped_conversations"] = {rule: len(items) for rule, items in refused.items()}
+            log.warning("prompts %s: %s", path, f"{sum(map(len, refused.values())):,} conversations "
+                        f"SpecForge's validator refuses are skipped ({counts}), listed in {skipped}")
+        else:
+            report.problems.append(f"prompts {path}: {sum(map(len, refused.values())):,} conversations "
+                                   f"SpecForge's validator refuses ({counts}); fix them, or set "
+                                   f"skip_invalid to leave them out")
+            for rule, items in sorted(refused.items()):
+                report.problems.extend(f"  {e}" for e in items[:3])
+    if cfg.generation.regenerate_turns == "last" and cfg.enable_thinking and history_without_reasoning:
+        report.problems.append(
+            f"regenerate_turns last with thinking on: {history_without_reasoning:,} conversations keep "
+            f"the dataset's own earlier assistant turns, which have no reasoning; SpecForge's expander "
+            f"and validator would drop every one after the GPU time is spent. Use regenerate_turns all")
     if count == 0 and not bad:
         report.problems.append(f"prompts {path}: no prompts in the file")
 
@@ -173,14 +203,30 @@ def check_model(cfg: RunConfig, report: PreflightReport) -> None:
     if not (model / "tokenizer.json").is_file():
         report.problems.append(f"model_path {model}: no tokenizer.json (the audit needs a fast tokenizer)")
         return
+    from regen.audit.dataset import resolved
+    from regen.audit.findings import AuditThresholds
     from regen.chat.render import load_tokenizer, render_generation_prompt, template_problems
+    from regen.chat.templates import DEFAULT_TRAIN_TEMPLATE, TRAIN_TEMPLATES
+    from regen.errors import DataError
 
     try:
         tokenizer = load_tokenizer(str(model))
     except Exception as exc:  # any loader failure is a finding, named with its type
         report.problems.append(f"model_path {model}: tokenizer does not load: {type(exc).__name__}: {exc}")
         return
-    for problem in template_problems(tokenizer, cfg.enable_thinking):
+    template = DEFAULT_TRAIN_TEMPLATE
+    try:
+        thresholds = resolved(AuditThresholds.from_config(cfg), tokenizer)
+    except DataError as exc:
+        report.problems.append(f"train_template: {exc}")
+    else:
+        template = TRAIN_TEMPLATES[thresholds.train_template]
+        report.info["train_template"] = thresholds.train_template
+        report.info["train_layout"] = thresholds.train_layout
+        if cfg.enable_thinking and not template.keeps_reasoning:
+            report.problems.append(f"train_template {thresholds.train_template!r}: SpecForge's parser for it "
+                                   f"drops reasoning_content, so training would see empty think blocks")
+    for problem in template_problems(tokenizer, cfg.enable_thinking, template.fmt):
         report.problems.append(f"model_path {model}: {problem}")
     longest = report.info.get("_longest_prompt")
     if longest is not None and context:
@@ -354,4 +400,8 @@ def check(cfg: RunConfig, code: bool = True, run_id: str = "cli",
             "up to date: every prompt has a good row of this model and settings, nothing to send")
     return PreflightResult(shards=shards, up_to_date=not shards, info=info, seconds=round(report.seconds, 2),
                            summary=f"preflight passed in {report.seconds:.1f} s: "
-                                   f"{info.get('prompts', 0):,} prompts, engine {cfg.engine}; {work}")
+                                   f"{info.get('prompts', 0):,} prompts"
+                                   + (f" ({sum(info['skipped_conversations'].values()):,} skipped)"
+                                      if info.get("skipped_conversations") else "")
+                                   + f", engine {cfg.engine}, training as {info.get('train_template')} "
+                                   f"({info.get('train_layout')} layout); {work}")

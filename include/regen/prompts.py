@@ -35,12 +35,54 @@ class Prompt:
 
 @dataclass(frozen=True, slots=True)
 class PromptError:
+    """A record that cannot be sent: unreadable, or (``rule`` set) a conversation SpecForge's
+    validator refuses, which ``skip_invalid`` leaves out instead of failing preflight."""
+
     file: str
     line: int
     reason: str
+    rule: str | None = None
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}: {self.reason}"
+
+
+class InvalidConversation(ValueError):
+    """A conversation SpecForge's regeneration validator refuses, by the rule it breaks."""
+
+    def __init__(self, rule: str, reason: str):
+        super().__init__(f"{rule}: {reason}")
+        self.rule = rule
+
+
+# The rules of SpecForge's conversation validator (scripts/conversation_validation.py, used by
+# regenerate_train_data.py on its input), each under the name preflight counts it by.
+RULES = ("empty_content", "tool_message", "late_system", "leading_assistant", "role_order", "no_user")
+
+
+def check_conversation(messages: list[dict]) -> None:
+    """Raise InvalidConversation for the first rule the messages break: every content a
+    non-empty string, system messages only before the first user message, no tool messages
+    (until tool conversations are supported), then user and assistant alternating from a user."""
+    expected, seen_user = "user", False
+    for i, message in enumerate(messages):
+        role, content = message["role"], message.get("content")
+        if not isinstance(content, str) or not content.strip():
+            raise InvalidConversation("empty_content", f"message {i} ({role}) has no text")
+        if role == "system":
+            if seen_user:
+                raise InvalidConversation("late_system", f"message {i} is a system message after a user message")
+            continue
+        if role == "tool":
+            raise InvalidConversation("tool_message", f"message {i} is a tool message")
+        if role != expected:
+            if not seen_user:
+                raise InvalidConversation("leading_assistant", "the conversation starts with an assistant message")
+            raise InvalidConversation("role_order", f"message {i} is a second {role} message in a row")
+        seen_user = True
+        expected = "assistant" if role == "user" else "user"
+    if not seen_user:
+        raise InvalidConversation("no_user", "no user message")
 
 
 def shard_of(prompt_id: str, num_shards: int) -> int:
@@ -85,8 +127,9 @@ def _normalize_turns(turns: Any, field: str) -> list[dict[str, str]]:
         if role not in _ROLE_ALIASES:
             raise ValueError(f"'{field}[{i}]' has unknown role {role!r}")
         if not isinstance(content, str):
-            raise ValueError(f"'{field}[{i}]' has no text content")
+            raise InvalidConversation("empty_content", f"'{field}[{i}]' has no text content")
         out.append({"role": _ROLE_ALIASES[role], "content": content})
+    check_conversation(out)
     return out
 
 
@@ -131,6 +174,8 @@ def _prompt(path: str | Path, line: int, offset: int, record: Any) -> Prompt | P
         return record
     try:
         prompt_id, messages = normalize_record(record)
+    except InvalidConversation as exc:
+        return PromptError(str(path), line, f"{exc} (id {record.get('id')!r})", exc.rule)
     except ValueError as exc:
         return PromptError(str(path), line, str(exc))
     return Prompt(prompt_id, messages, line, offset)
@@ -161,13 +206,3 @@ def read_at(path: str | Path, places: list[tuple[int, int]]) -> Iterator[Prompt 
             except msgspec.DecodeError as exc:
                 record = PromptError(str(path), line, f"not valid JSON: {exc}")
             yield _prompt(path, line, offset, record)
-
-
-def read_shard(path: str | Path, shard: int, num_shards: int) -> Iterator[Prompt | PromptError]:
-    """The prompts of one shard, and every unreadable record (each shard reports its own)."""
-    for item in read_prompts(path):
-        if isinstance(item, PromptError):
-            if item.line % num_shards == shard:
-                yield item
-        elif shard_of(item.id, num_shards) == shard:
-            yield item

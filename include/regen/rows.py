@@ -18,9 +18,9 @@ from regen.errors import DataError
 from regen.layout import RunLayout
 
 MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
-TURN_TYPE = pa.struct([("finish_reason", pa.string()), ("prompt_tokens", pa.int64()),
-                       ("completion_tokens", pa.int64())])
 TOKEN_IDS = pa.list_(pa.int32())
+TURN_TYPE = pa.struct([("finish_reason", pa.string()), ("prompt_tokens", pa.int64()),
+                       ("completion_tokens", pa.int64()), ("completion_token_ids", TOKEN_IDS)])
 
 
 def _col(arrow: pa.DataType | None = None, audit: bool = False) -> Any:

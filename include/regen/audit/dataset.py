@@ -13,6 +13,7 @@ import logging
 import multiprocessing
 import os
 from collections import Counter, deque
+from dataclasses import replace
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -24,8 +25,10 @@ from regen.audit import report, viewer
 from regen.audit.findings import (SAMPLE_SCHEMA, AuditFailed, AuditReport, AuditSummary, AuditThresholds, fold,
                                   mark_duplicates)
 from regen.audit.rules import audit_batch
-from regen.chat.render import load_tokenizer
+from regen.chat.render import load_tokenizer, resolve_training
+from regen.chat.templates import TRAIN_TEMPLATES
 from regen.config import RunConfig
+from regen.errors import DataError
 from regen.files import atomic_path, atomic_write_json, atomic_write_text
 from regen.layout import AuditFiles, RunLayout
 from regen.manifest import Manifest
@@ -33,6 +36,7 @@ from regen.progress import RunProgress
 from regen.prompts import shard_of
 from regen.results import AuditResult
 from regen.rows import count_rows, iter_batches
+from regen.training import training_samples
 
 log = logging.getLogger("regen.audit")
 
@@ -63,7 +67,8 @@ class Provenance:
 
     def check(self, rows: list[dict], results: list[dict]) -> None:
         for row, result in zip(rows, results):
-            if self.num_shards and "prompt_hash" in row and row["prompt_hash"] != self._expected(row["id"]):
+            prompt_id = row.get("source_id", row["id"])  # an event's row is its conversation's
+            if self.num_shards and "prompt_hash" in row and row["prompt_hash"] != self._expected(prompt_id):
                 result["findings"].append("stale_prompt")
             if self.settings_hash and row.get("settings_hash", self.settings_hash) != self.settings_hash:
                 result["findings"].append("foreign_settings")
@@ -73,15 +78,28 @@ class Provenance:
                 "checked_against_manifest": bool(self.num_shards)}
 
 
+def resolved(thresholds: AuditThresholds, tokenizer) -> AuditThresholds:
+    """The thresholds with the training template and layout decided (``auto``: by the model's
+    chat template)."""
+    try:
+        name, layout = resolve_training(tokenizer, thresholds.train_template, thresholds.train_layout)
+    except ValueError as exc:
+        raise DataError(str(exc)) from None
+    return replace(thresholds, train_template=name, train_layout=layout)
+
+
 def audit_rows(rows: list[dict], tokenizer_dir: str, thresholds: AuditThresholds,
-               default_thinking: bool = True) -> tuple[AuditSummary, list[dict]]:
-    """Audit rows held in memory (the canary) with the same code as the dataset audit."""
+               default_thinking: bool = True) -> tuple[AuditSummary, list[dict], list[dict]]:
+    """Audit rows held in memory (the canary) with the same code as the dataset audit:
+    (summary, the samples training will see, their results)."""
     tokenizer = load_tokenizer(str(tokenizer_dir))
-    results = audit_batch(rows, tokenizer, thresholds, default_thinking)
+    thresholds = resolved(thresholds, tokenizer)
+    samples = _samples(rows, thresholds, default_thinking)
+    results = audit_batch(samples, tokenizer, thresholds, default_thinking)
     mark_duplicates(results, set())
     summary = AuditSummary()
-    fold(summary, rows, results)
-    return summary, results
+    fold(summary, samples, results)
+    return summary, samples, results
 
 
 _worker_state: tuple | None = None
@@ -93,32 +111,42 @@ def _worker_init(tokenizer_dir: str, thresholds: AuditThresholds, default_thinki
     _worker_state = (load_tokenizer(tokenizer_dir), thresholds, default_thinking)
 
 
-def _worker_audit(rows: list[dict]) -> list[dict]:
+def _worker_audit(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     tokenizer, thresholds, default_thinking = _worker_state
-    return audit_batch(rows, tokenizer, thresholds, default_thinking)
+    return _audit_samples(rows, tokenizer, thresholds, default_thinking)
+
+
+def _audit_samples(rows: list[dict], tokenizer, thresholds: AuditThresholds,
+                   default_thinking: bool) -> tuple[list[dict], list[dict]]:
+    samples = _samples(rows, thresholds, default_thinking)
+    return samples, audit_batch(samples, tokenizer, thresholds, default_thinking)
+
+
+def _samples(rows: list[dict], thresholds: AuditThresholds, default_thinking: bool) -> list[dict]:
+    return training_samples(rows, thresholds.train_layout, default_thinking,
+                            TRAIN_TEMPLATES[thresholds.train_template].keeps_reasoning)
 
 
 def audited_batches(batches: Iterable[list[dict]], tokenizer_dir: str, thresholds: AuditThresholds,
                     default_thinking: bool, workers: int) -> Iterator[tuple[list[dict], list[dict]]]:
-    """(rows, results) in order; with ``workers`` > 1, batches are audited in that many processes,
+    """(samples, results) of each batch of rows, in order (a sample per row, or per assistant
+    turn in the events layout); with ``workers`` > 1, batches are audited in that many processes,
     at most two batches per worker in flight so memory stays bounded."""
     if workers <= 1:
         tokenizer = load_tokenizer(tokenizer_dir)
         for rows in batches:
-            yield rows, audit_batch(rows, tokenizer, thresholds, default_thinking)
+            yield _audit_samples(rows, tokenizer, thresholds, default_thinking)
         return
     context = multiprocessing.get_context("spawn")  # a fork would inherit the tokenizer's threads
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
                              initargs=(tokenizer_dir, thresholds, default_thinking)) as pool:
         pending: deque = deque()
         for rows in batches:
-            pending.append((rows, pool.submit(_worker_audit, rows)))
+            pending.append(pool.submit(_worker_audit, rows))
             if len(pending) >= 2 * workers:
-                done_rows, future = pending.popleft()
-                yield done_rows, future.result()
+                yield pending.popleft().result()
         while pending:
-            done_rows, future = pending.popleft()
-            yield done_rows, future.result()
+            yield pending.popleft().result()
 
 
 def audit_dataset(data: str | Path, tokenizer_dir: str | Path, report_dir: str | Path,
@@ -131,29 +159,31 @@ def audit_dataset(data: str | Path, tokenizer_dir: str | Path, report_dir: str |
     files.root.mkdir(parents=True, exist_ok=True)
     if workers is None:
         workers = (os.cpu_count() or 1) if count_rows(layout) >= 8 * batch_size else 1
+    thresholds = resolved(thresholds, load_tokenizer(str(tokenizer_dir)))
     summary = AuditSummary()
     seen: set[str] = set()
     provenance = Provenance(layout)
     batches = iter_batches(layout, batch_size)
     with atomic_path(files.samples_parquet) as samples_tmp, \
             pq.ParquetWriter(samples_tmp, SAMPLE_SCHEMA, compression="zstd") as writer:
-        for rows, results in audited_batches(batches, str(tokenizer_dir), thresholds,
-                                             default_thinking, workers):
+        for samples, results in audited_batches(batches, str(tokenizer_dir), thresholds,
+                                                default_thinking, workers):
             mark_duplicates(results, seen)
-            provenance.check(rows, results)
-            fold(summary, rows, results)
+            provenance.check(samples, results)
+            fold(summary, samples, results)
             writer.write_table(pa.Table.from_pylist(results, schema=SAMPLE_SCHEMA))
-            if summary.samples % (batch_size * 20) < len(rows):
+            if summary.samples % (batch_size * 20) < len(samples):
                 log.info("audited %s samples", f"{summary.samples:,}")
     audit_report = AuditReport(summary, thresholds, files, provenance.to_json())
     atomic_write_json(files.summary_json, audit_report.to_json())
-    views = sample_views(layout, files.samples_parquet, str(tokenizer_dir), thresholds)
+    views = sample_views(layout, files.samples_parquet, str(tokenizer_dir), thresholds, default_thinking)
     atomic_write_json(files.samples_view_json, views)
     atomic_write_text(files.report_html, report.render_html(audit_report, views))
     return audit_report
 
 
-def sample_views(layout: RunLayout, samples: Path, tokenizer_dir: str, thresholds: AuditThresholds) -> list[dict]:
+def sample_views(layout: RunLayout, samples: Path, tokenizer_dir: str, thresholds: AuditThresholds,
+                 default_thinking: bool = True) -> list[dict]:
     """The samples viewer's conversations (regen.audit.viewer): one more pass over the data for them."""
     why = viewer.pick(samples)
     results: dict[str, dict] = {}
@@ -162,11 +192,10 @@ def sample_views(layout: RunLayout, samples: Path, tokenizer_dir: str, threshold
             results.setdefault(s["id"], s)
     rows: dict[str, dict] = {}
     for batch in iter_batches(layout):
-        for row in batch:
+        for row in _samples(batch, thresholds, default_thinking):
             if row["id"] in why:
                 rows.setdefault(row["id"], row)
-    return viewer.build(list(rows.values()), results, why, load_tokenizer(tokenizer_dir),
-                        thresholds.train_template, thresholds.train_max_length)
+    return viewer.build(list(rows.values()), results, why, load_tokenizer(tokenizer_dir), thresholds)
 
 
 def audit_run(cfg: RunConfig, data: str | None = None, tokenizer: str | None = None,

@@ -28,6 +28,8 @@ FINDINGS = (
     "cut",                 # longer than the training's max length: training sees it cut
     "degenerate_after_cut",  # enough loss tokens whole, too few once cut
     "retokenized_differs",  # the answer's text, re-encoded as training renders it, is not the generated tokens
+    "left_out",            # the export leaves the conversation out (SpecForge's validator and expander would)
+    "earlier_turn_cut",    # an earlier turn was truncated or empty: the conversation stopped there
 )
 
 
@@ -68,10 +70,12 @@ class AuditThresholds:
     max_degenerate_fraction: float
     train_template: str = "qwen3-thinking"
     train_max_length: int | None = None
+    train_layout: str = "auto"  # events | conversation; auto: resolved with the tokenizer (regen.chat.render)
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "AuditThresholds":
-        return cls(cfg.audit.min_loss_tokens, cfg.audit.max_degenerate_fraction, cfg.audit.train_template, cfg.audit.train_max_length)
+        a = cfg.audit
+        return cls(a.min_loss_tokens, a.max_degenerate_fraction, a.train_template, a.train_max_length, a.train_layout)
 
 
 @dataclass
@@ -84,6 +88,7 @@ class AuditSummary:
     thinking_rows: int = 0
     reasoning_rows: int = 0
     example: dict[str, Any] | None = None
+    left_out: dict[str, int] = field(default_factory=dict)  # conversations the export leaves out, by reason
 
     def fraction(self, finding: str) -> float:
         return self.counts[finding] / self.audited if self.audited else 0.0
@@ -106,6 +111,8 @@ def fold(summary: AuditSummary, rows: list[dict], results: list[dict]) -> None:
         summary.samples += 1
         for finding in result["findings"]:
             summary.counts[finding] += 1
+        if row.get("left_out"):
+            summary.left_out[row["left_out"]] = summary.left_out.get(row["left_out"], 0) + 1
         if "error" in result["findings"]:
             continue
         summary.audited += 1
@@ -148,7 +155,9 @@ class AuditReport:
             "thresholds": {"min_loss_tokens": self.thresholds.min_loss_tokens,
                            "max_degenerate_fraction": self.thresholds.max_degenerate_fraction},
             "train_view": {"template": self.thresholds.train_template,
+                           "layout": self.thresholds.train_layout,
                            "max_length": self.thresholds.train_max_length,
+                           "export_left_out": s.left_out,
                            "cut_fraction": round(s.fraction("cut"), 6),
                            "degenerate_after_cut_fraction": round(s.fraction("degenerate_after_cut"), 6)},
             "counts": s.counts,
@@ -171,7 +180,7 @@ class AuditReport:
             f"audit {self.verdict()}: {s.counts['degenerate']:,} of {s.audited:,} samples degenerate "
             f"(degenerate fraction {s.degenerate_fraction:.4f}, limit "
             f"{self.thresholds.max_degenerate_fraction:.4f})",
-            f"loss tokens as {self.thresholds.train_template} trains on them"
+            f"loss tokens as {self.thresholds.train_template} trains on them ({self.thresholds.train_layout} layout)"
             + (f" cut at {self.thresholds.train_max_length:,}" if self.thresholds.train_max_length else "")
             + f": median {loss['median']}, p5 {loss['p5']}, p95 {loss['p95']} (min_loss_tokens "
             f"{self.thresholds.min_loss_tokens}); the cut shortens {s.fraction('cut'):.1%} of samples, "
@@ -179,7 +188,8 @@ class AuditReport:
             f"{comp['median']}, max {comp['max']}",
             "findings: " + (", ".join(f"{f} {n:,}" for n, f in top) if top else "none"),
             f"reasoning present on {s.reasoning_rows:,} of {s.thinking_rows:,} samples that asked "
-            f"for thinking; {s.counts['error']:,} error rows, {s.counts['duplicate_id']:,} duplicate ids"
+            f"for thinking; {s.counts['error']:,} error rows, {s.counts['duplicate_id']:,} duplicate ids, "
+            f"{sum(s.left_out.values()):,} conversations the export leaves out"
             + (f"; NOT THIS RUN'S: {s.counts['stale_prompt']:,} stale prompts, "
                f"{s.counts['foreign_settings']:,} other settings"
                if any(s.counts[f] for f in PROVENANCE) else ""),

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from regen.audit.findings import AuditThresholds
 from regen.chat.loss import assistant_spans, loss_token_counts
-from regen.chat.render import render, training_messages
+from regen.chat.render import generation_prefill, render, training_messages
 from regen.chat.templates import TRAIN_TEMPLATES
 from regen.rows import row_messages
+from regen.turns import EARLIER_TURN_CUT
 
 
 def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds,
@@ -25,13 +26,16 @@ def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds,
                       "completion_tokens": row.get("completion_tokens"), "findings": findings}
         if row.get("error") is not None:
             findings.append("error")
+            if str(row["error"]).startswith(EARLIER_TURN_CUT):
+                findings.append("earlier_turn_cut")
             continue
         to_render.append(i)
         conversations.append(training_messages(row_messages(row), row.get("reasoning_content"),
                                                row.get("content"), template))
-    texts = render(tokenizer, conversations, True if template.enable_thinking else None)
-    counts = loss_token_counts(tokenizer, texts, fmt, thresholds.train_max_length, template.ignore)
-    differs = retokenized_differs(tokenizer, texts, [rows[i] for i in to_render], fmt)
+    texts = render(tokenizer, conversations, template.render_thinking)
+    counts = loss_token_counts(tokenizer, texts, fmt, thresholds.train_max_length, template.ignore,
+                               last_turn_only=thresholds.train_layout == "events")
+    differs = retokenized_differs(tokenizer, texts, [rows[i] for i in to_render], fmt, default_thinking)
     for j, i in enumerate(to_render):
         row, result, count = rows[i], results[i], counts[j]
         findings = result["findings"]
@@ -57,21 +61,29 @@ def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds,
                 findings.append("degenerate_after_cut")
         if differs[j]:
             findings.append("retokenized_differs")
-        if count.loss < thresholds.min_loss_tokens or "missing_reasoning" in findings:
+        if row.get("left_out"):
+            findings.append("left_out")
+        if count.loss < thresholds.min_loss_tokens or "missing_reasoning" in findings or row.get("left_out"):
             findings.append("degenerate")
     return results
 
 
-def retokenized_differs(tokenizer, texts: list[str], rows: list[dict], fmt) -> list[bool]:
+def retokenized_differs(tokenizer, texts: list[str], rows: list[dict], fmt, default_thinking: bool = True) -> list[bool]:
     """Per rendered conversation whose row holds the generated tokens: whether its last
     assistant turn, as training renders and re-encodes it, is other tokens than the engine
-    generated (a drafter would learn what the target never produced)."""
+    generated (a drafter would learn what the target never produced). What the generation prompt
+    pre-filled (an empty think block with thinking off) is not part of what was generated."""
     out = [False] * len(texts)
+    prefill = {thinking: generation_prefill(tokenizer, fmt, thinking) for thinking in (True, False)}
     todo = []
     for i, row in enumerate(rows):
         spans = assistant_spans(texts[i], fmt) if row.get("completion_token_ids") is not None else []
         if spans:
             start, end = spans[-1]
+            thinking = row.get("enable_thinking")
+            filled = prefill[default_thinking if thinking is None else bool(thinking)]
+            if filled and texts[i].startswith(filled, start):
+                start += len(filled)
             todo.append((i, texts[i][start:end].removesuffix(fmt.after_eos)))
     encodings = tokenizer._tokenizer.encode_batch([span for _, span in todo], add_special_tokens=False)
     for (i, _), encoding in zip(todo, encodings):

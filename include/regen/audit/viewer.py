@@ -16,6 +16,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from regen.audit.findings import AuditThresholds
 from regen.chat.loss import assistant_spans
 from regen.chat.render import render, training_messages
 from regen.chat.templates import TRAIN_TEMPLATES
@@ -49,10 +50,11 @@ def pick(samples_parquet: Path, seed: int = 0) -> dict[str, str]:
 
 
 def build(rows: list[dict], results: dict[str, dict], why: dict[str, str], tokenizer,
-          template_name: str, max_length: int | None) -> list[dict[str, Any]]:
-    """Per chosen row: the rendered text cut into (kind, text) segments, kind being "prompt",
+          thresholds: AuditThresholds) -> list[dict[str, Any]]:
+    """Per chosen sample: the rendered text cut into (kind, text) segments, kind being "prompt",
     "loss" or "after_cut", and what the audit found."""
-    template = TRAIN_TEMPLATES[template_name]
+    template = TRAIN_TEMPLATES[thresholds.train_template]
+    max_length = thresholds.train_max_length
     views = []
     for row in rows:
         result = results[row["id"]]
@@ -61,14 +63,15 @@ def build(rows: list[dict], results: dict[str, dict], why: dict[str, str], token
                 "tokens": result["tokens"], "error": row.get("error"), "segments": []}
         if row.get("error") is None:
             conversation = training_messages(row_messages(row), row.get("reasoning_content"), row.get("content"), template)
-            text = render(tokenizer, [conversation], True if template.enable_thinking else None)[0]
+            text = render(tokenizer, [conversation], template.render_thinking)[0]
             cut = len(text)
             if max_length:
                 encoding = tokenizer._tokenizer.encode(text, add_special_tokens=False)
                 if len(encoding.ids) > max_length:
                     cut = encoding.offsets[max_length][0]
             view["cut_at_char"] = cut if cut < len(text) else None
-            view["segments"] = _segments(text, assistant_spans(text, template.fmt), cut)
+            spans = assistant_spans(text, template.fmt)
+            view["segments"] = _segments(text, spans[-1:] if thresholds.train_layout == "events" else spans, cut)
         views.append(view)
     order = {i: n for n, i in enumerate(why)}
     return sorted(views, key=lambda v: order[v["id"]])

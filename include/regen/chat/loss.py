@@ -18,16 +18,23 @@ from regen.chat.templates import QWEN, ChatFormat
 
 
 def assistant_spans(text: str, fmt: ChatFormat = QWEN) -> list[tuple[int, int]]:
-    """Character [start, end) of each assistant span: after the header, through the end-of-turn
-    marker, or to the end of the text. The same spans as SpecForge's regex, found with str.find
-    (a lazy regex over a long trace is the slowest step of the audit)."""
+    """Character [start, end) of each assistant span: after the header (and the format's
+    ``skip_after_header`` when it follows), through the first end marker, or to the end of the
+    text. The same spans as SpecForge's regex, found with str.find (a lazy regex over a long
+    trace is the slowest step of the audit)."""
     spans = []
-    header, eot = fmt.assistant_header, fmt.end_of_turn
+    header, skip = fmt.assistant_header, fmt.skip_after_header
+    ends = (fmt.end_of_turn, *fmt.also_ends)
     at = text.find(header)
     while at != -1:
         start = at + len(header)
-        stop = text.find(eot, start)
-        end = len(text) if stop == -1 else stop + len(eot)
+        if skip and text.startswith(skip, start):
+            start += len(skip)
+        end = len(text)
+        for marker in ends:
+            stop = text.find(marker, start, end)
+            if stop != -1:
+                end = stop + len(marker)
         spans.append((start, end))
         at = text.find(header, end)
     return spans
@@ -80,6 +87,29 @@ def loss_masks(tokenizer, texts: Sequence[str], fmt: ChatFormat = QWEN) -> list[
     return masks
 
 
+def training_tokens(tokenizer, text: str, fmt: ChatFormat = QWEN, ignore: Sequence[str] = (),
+                    last_turn_only: bool = False) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """(input_ids, loss_mask, the token range of each trained span) of one rendered conversation,
+    as SpecForge's parser makes them: the whole text encoded, the spans set, ``ignore`` strings'
+    tokens cleared (positions by its own prefix arithmetic where an edge falls inside a token)."""
+    enc = tokenizer._tokenizer.encode(text, add_special_tokens=False)
+
+    def token_at(char: int) -> int:
+        index = _token_starting_at(enc, len(text), char)
+        return index if index is not None else len(tokenizer.encode(text[:char], add_special_tokens=False))
+
+    spans = assistant_spans(text, fmt)
+    ranges = [(token_at(a), token_at(b)) for a, b in (spans[-1:] if last_turn_only else spans)]
+    mask = [0] * len(enc.ids)
+    for first, last in ranges:
+        mask[first:last] = [1] * max(0, min(last, len(mask)) - first)
+    for token in ignore:
+        for at in _occurrences(text, token):
+            first, last = token_at(at), token_at(at + len(token))
+            mask[first:last] = [0] * max(0, min(last, len(mask)) - first)
+    return list(enc.ids), mask, ranges
+
+
 @dataclass(frozen=True)
 class LossCount:
     """A rendered conversation's loss tokens as training sees them (after the cut at its max
@@ -91,15 +121,17 @@ class LossCount:
 
 
 def loss_token_counts(tokenizer, texts: Sequence[str], fmt: ChatFormat = QWEN, max_length: int | None = None,
-                      ignore: Sequence[str] = ()) -> list[LossCount]:
+                      ignore: Sequence[str] = (), last_turn_only: bool = False) -> list[LossCount]:
     """Loss tokens of each rendered conversation, as SpecForge's parser computes them: assistant
-    spans set, ``ignore`` strings' tokens cleared, everything from ``max_length`` on cut. Token
-    positions are counted piece by piece where the tokenizer allows it (see PieceCounter), else
-    taken from one batched encoding, else from SpecForge's own prefix arithmetic."""
+    spans set (only the last with ``train_only_last_turn``), ``ignore`` strings' tokens cleared,
+    everything from ``max_length`` on cut. Token positions are counted piece by piece where the
+    tokenizer allows it (see PieceCounter), else taken from one batched encoding, else from
+    SpecForge's own prefix arithmetic."""
     counter = PieceCounter.for_tokenizer(tokenizer)
     plans = []
     for text in texts:
         spans = assistant_spans(text, fmt)
+        spans = spans[-1:] if last_turn_only else spans
         ignored = [(at, at + len(token)) for token in ignore for at in _occurrences(text, token)]
         chars = sorted({c for span in spans + ignored for c in span} | {len(text)})
         plans.append((spans, ignored, chars))

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from regen.chat.loss import assistant_spans
-from regen.chat.templates import DEFAULT_TRAIN_TEMPLATE, QWEN, ChatFormat, TrainTemplate
+from regen.chat.templates import DEFAULT_TRAIN_TEMPLATE, QWEN, TRAIN_TEMPLATES, ChatFormat, TrainTemplate
 
 
 @lru_cache(maxsize=8)
@@ -55,6 +55,75 @@ def training_messages(messages: Sequence[dict[str, Any]], reasoning: str | None,
     return out
 
 
+# The generation prompt's end -> SpecForge's template for the family (thinking variant, plain one).
+_FAMILIES = (
+    ("<|im_start|>assistant\n<think>\n", ("qwen3.5", "qwen3.5")),
+    ("<|im_start|>assistant\n", ("qwen3-thinking", "qwen")),
+    ("<|im_assistant|>assistant<|im_middle|>", ("kimi-k2-thinking", "kimi-k2-instruct")),
+    ("<｜Assistant｜>", ("deepseek-v32", "deepseek-v3")),
+    ("<|start_header_id|>assistant<|end_header_id|>\n\n", ("llama3", "llama3")),
+    ("<|header_start|>assistant<|header_end|>\n\n", ("llama4", "llama4")),
+    ("<start_of_turn>model\n", ("gemma", "gemma")),
+    ("<|im_start|>assistant<|im_sep|>", ("phi4", "phi4")),
+)
+
+
+def model_type(model_dir: str | Path) -> str | None:
+    """The ``model_type`` of a model directory's config.json, when it has one."""
+    import json
+
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+def template_for_model(tokenizer, model_type: str | None = None) -> str | None:
+    """SpecForge's template for the model, from its own chat template: the family by the
+    assistant header its generation prompt ends with, the thinking variant whenever the template
+    knows think blocks (a drafter of a thinking model learns its thinking). None: not known."""
+    try:
+        prompt = render_generation_prompt(tokenizer, [{"role": "user", "content": "Hi"}], True)
+    except Exception:  # a template that cannot render is preflight's finding, not this one's
+        return None
+    thinks = "<think>" in (tokenizer.chat_template or "") or "</think>" in (tokenizer.chat_template or "")
+    found = [names for header, names in _FAMILIES if prompt.endswith(header)]
+    if not found:  # something pre-filled after the header: the last header, the shortest there
+        placed = [(prompt.rfind(header), -len(header), names) for header, names in _FAMILIES if header in prompt]
+        found = [max(placed)[2]] if placed else []
+    if not found:
+        return None
+    name = found[0][0] if thinks else found[0][1]
+    return "qwen3-next-thinking" if name == "qwen3.5" and model_type == "qwen3_next" else name
+
+
+def resolve_training(tokenizer, template_name: str, layout: str) -> tuple[str, str]:
+    """(template, layout) with ``auto`` decided by the model's chat template; ValueError when
+    the template cannot be told."""
+    if template_name == "auto":
+        template_name = template_for_model(tokenizer, model_type(tokenizer.name_or_path))
+        if template_name is None:
+            raise ValueError(f"{tokenizer.name_or_path}: cannot tell SpecForge's training template from the "
+                             f"chat template; set train_template")
+    if layout == "auto":
+        layout = train_layout(tokenizer, TRAIN_TEMPLATES[template_name])
+    return template_name, layout
+
+
+def train_layout(tokenizer, template: TrainTemplate) -> str:
+    """``events`` when the chat template drops earlier turns' reasoning from the history it
+    renders (Qwen3's do): SpecForge's recipe then trains one event per assistant turn, last turn
+    only; else ``conversation`` (also for a parser that keeps no reasoning at all)."""
+    if not template.keeps_reasoning:
+        return "conversation"
+    marker = "Earlier reasoning to look for."
+    history = [{"role": "user", "content": "One?"},
+               {"role": "assistant", "content": "1", "reasoning_content": marker},
+               {"role": "user", "content": "Two?"}]
+    text = render(tokenizer, [training_messages(history, "Then two.", "2", template)], template.render_thinking)[0]
+    return "conversation" if marker in text else "events"
+
+
 def render(tokenizer, conversations: Sequence[list[dict[str, Any]]], enable_thinking: bool | None) -> list[str]:
     """``enable_thinking`` None: the template's own default (SpecForge's general parser)."""
     if not conversations:
@@ -69,6 +138,17 @@ def render_generation_prompt(tokenizer, messages: list[dict[str, Any]], enable_t
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
     )
+
+
+def generation_prefill(tokenizer, fmt: ChatFormat, thinking: bool) -> str:
+    """What the generation prompt puts after the assistant header, which the model does not
+    generate but training renders inside the span (Qwen3 with thinking off: an empty think block)."""
+    try:
+        prompt = render_generation_prompt(tokenizer, [{"role": "user", "content": "Hi"}], thinking)
+    except Exception:  # a template that cannot render is preflight's finding
+        return ""
+    at = prompt.rfind(fmt.assistant_header)
+    return prompt[at + len(fmt.assistant_header):] if at != -1 else ""
 
 
 def template_problems(tokenizer, enable_thinking: bool, fmt: ChatFormat = QWEN) -> list[str]:

@@ -9,12 +9,12 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from regen.chat.templates import TRAIN_TEMPLATES
+from regen.chat.templates import TRAIN_TEMPLATES, UNSUPPORTED
 from regen.config.fields import Options
 
 SpeculativeAlgorithm = Literal["EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"]
 # SpecForge's chat templates regen can audit for (their markers: regen.chat.templates).
-TrainTemplate = Literal[tuple(TRAIN_TEMPLATES)]  # type: ignore[valid-type]
+TrainTemplate = Literal[("auto", *TRAIN_TEMPLATES, *UNSUPPORTED)]  # type: ignore[valid-type]
 
 CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 HOST = re.compile(r"^[A-Za-z0-9.:\-\[\]]+$")
@@ -177,8 +177,15 @@ class GenerationOptions(Options):
     regenerate_turns: Literal["all", "last"] = Field(
         "all", title="Regenerate turns",
         description="all: every assistant turn of a conversation, in order, each request holding the "
-                    "model's own earlier answers (as SpecForge does); last: only the final turn, after the "
-                    "dataset's original history.")
+                    "model's own earlier answers, their visible content only (as SpecForge sends them); "
+                    "last: only the final turn, after the dataset's original history (refused with "
+                    "thinking on when that history has assistant turns: they have no reasoning).")
+    skip_invalid: bool = Field(
+        False, title="Skip invalid conversations",
+        description="Conversations SpecForge's validator refuses (two messages of one role in a row, a "
+                    "leading assistant, a late system message, empty content, tool messages) are left "
+                    "out before any request and listed in work/skipped.jsonl. Off: preflight fails on "
+                    "them, counted per rule.")
     num_shards: int = Field(
         4, ge=1, le=4096, title="Shards",
         description="Generation is split into this many Airflow tasks, by a stable hash of the id.")
@@ -230,10 +237,20 @@ class AuditOptions(Options):
         0.01, ge=0, le=1, title="Max degenerate fraction",
         description="The audit fails the run above this fraction of degenerate samples.")
     train_template: TrainTemplate = Field(
-        "qwen3-thinking", title="Training template",
+        "auto", title="Training template",
         description="SpecForge's chat template for training (its --chat-template): the audit renders "
-                    "each sample as its parser will. Templates whose parser drops reasoning_content are "
-                    "refused when thinking is on.")
+                    "each sample as its parser will. auto: the model's family, read from its chat "
+                    "template (the thinking variant when the template thinks; preflight shows the "
+                    "choice). Templates whose parser drops reasoning_content are refused when thinking "
+                    "is on; gpt-oss, deepseek-r1-distill and longcat, which regen cannot judge exactly, "
+                    "are refused with the reason.")
+    train_layout: Literal["auto", "events", "conversation"] = Field(
+        "auto", title="Training layout",
+        description="How training sees a multi-turn row. events: one sample per assistant turn, its "
+                    "history visible content only, trained on its last turn (SpecForge's recipe for "
+                    "multi-turn reasoning data: expand_reasoning_conversations.py, train_only_last_turn); "
+                    "conversation: one sample per row, every turn trained. auto: events when the "
+                    "model's chat template drops earlier turns' reasoning (Qwen3's do), else conversation.")
     train_max_length: int | None = Field(
         2048, ge=16, title="Training max length",
         description="SpecForge's --max-length: tokens past it are cut before training (its default "

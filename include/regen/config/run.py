@@ -16,7 +16,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer,
                       model_validator)
 
-from regen.chat.templates import TRAIN_TEMPLATES
+from regen.chat.templates import TRAIN_TEMPLATES, UNSUPPORTED
 from regen.config.fields import ConfigError, flat_fields, flat_location, flatten, format_validation_error, nest
 from regen.config.nodes import NodeSpec
 from regen.config.options import (AuditOptions, CanaryOptions, EngineOptions, GenerationOptions,
@@ -142,6 +142,11 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _template_keeps_reasoning(self) -> "RunConfig":
+        if self.audit.train_template in UNSUPPORTED:
+            raise ValueError(f"train_template {self.audit.train_template!r}: regen cannot judge data for it "
+                             f"exactly: {UNSUPPORTED[self.audit.train_template]}")
+        if self.audit.train_template == "auto":
+            return self  # chosen from the model's chat template, checked by preflight
         if self.enable_thinking and not TRAIN_TEMPLATES[self.audit.train_template].keeps_reasoning:
             raise ValueError(
                 f"train_template {self.audit.train_template!r}: SpecForge's parser for it drops "

@@ -145,7 +145,7 @@ class SimServer:
         state.prompt_tokens_total += prompt_tokens
         state.generation_tokens_total += completion
         state.recent.append((time.monotonic(), completion))
-        reply = ChatReply(content=" ".join(answer_tokens) if answer_tokens else None,
+        reply = ChatReply(content=" ".join(answer_tokens),  # "" when none, as SGLang 0.5.23 answers
                           reasoning_content=" ".join(think_tokens) if reasoning else None,
                           finish_reason="stop" if finished else "length",
                           prompt_tokens=prompt_tokens, completion_tokens=completion)

@@ -1,0 +1,129 @@
+"""A row as training will see it, in one of SpecForge's two layouts, judged once for the export
+and the audit alike.
+
+- ``conversation``: one record per prompt, every assistant turn with its reasoning, what
+  SpecForge's ``scripts/regenerate_train_data.py`` writes and ``validate_regenerated_data.py
+  --expect-reasoning --strict-think-markers`` accepts (``why_left_out`` says when it would not).
+- ``events``: SpecForge's recipe for multi-turn reasoning data (docs/basic_usage/data_preparation.md,
+  "Multi-turn structured reasoning"; ``scripts/expand_reasoning_conversations.py``): one record per
+  assistant turn, ``ID#turnK``, its history with earlier answers' visible content only, trained
+  with ``train_only_last_turn``. A conversation any of whose turns is invalid is left out whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from regen.rows import row_messages
+
+TrainLayout = Literal["events", "conversation"]
+THINK_MARKERS = ("<think>", "</think>")
+
+
+def conversation_record(row: dict) -> dict:
+    """Every regenerated turn, each assistant turn with its reasoning, then the last one."""
+    conversations = []
+    for m in [*row_messages(row), {"role": "assistant", "content": row["content"],
+                                   "reasoning_content": row.get("reasoning_content")}]:
+        message = {"role": m["role"], "content": m["content"]}
+        if m["role"] == "assistant" and m.get("reasoning_content") is not None:
+            message["reasoning_content"] = m["reasoning_content"]
+        conversations.append(message)
+    return {"id": str(row["id"]), "conversations": conversations, "status": "success"}
+
+
+def why_left_out(row: dict, expect_reasoning: bool) -> str | None:
+    """Why SpecForge's validator (``--expect-reasoning --strict-think-markers``) would refuse the
+    row's conversation, or None: every message non-empty, an optional system prompt first, then
+    user and assistant alternating from a user turn to an assistant turn, every assistant turn
+    with non-empty reasoning and no think marker in its answer or reasoning. Its expander applies
+    the same rules (reasoning always expected), so this is also why it skips a conversation."""
+    if row.get("error") is not None:
+        return "failed"
+    conversation = conversation_record(row)["conversations"]
+    expected, seen_user = "user", False
+    for message in conversation:
+        role, content = message["role"], message.get("content")
+        if not isinstance(content, str) or not content.strip():
+            return "empty answer" if role == "assistant" else f"empty {role} message"
+        if role == "system" and not seen_user:
+            continue
+        if role != expected:
+            return "role order"
+        seen_user = True
+        expected = "assistant" if role == "user" else "user"
+        if role != "assistant":
+            continue
+        reasoning = message.get("reasoning_content")
+        if expect_reasoning and not (reasoning or "").strip():
+            return "no reasoning"
+        if any(m in text.lower() for m in THINK_MARKERS for text in (content, reasoning or "")):
+            return "think markers"
+    return None if conversation[-1]["role"] == "assistant" else "role order"
+
+
+def event_records(record: dict, source_row_index: int) -> list[dict]:
+    """The generation events of one conversation record, as SpecForge's expander writes them."""
+    history: list[dict[str, Any]] = []
+    events = []
+    for message in record["conversations"]:
+        if message["role"] != "assistant":
+            history.append(dict(message))
+            continue
+        turn = sum(1 for m in history if m["role"] == "assistant")
+        events.append({"id": f"{record['id']}#turn{turn}", "source_id": record["id"],
+                       "source_row_index": source_row_index, "assistant_turn_index": turn,
+                       "conversations": [dict(m) for m in history] + [dict(message)],
+                       "status": record["status"]})
+        history.append({k: v for k, v in message.items() if k != "reasoning_content"})
+    return events
+
+
+def event_rows(row: dict) -> list[dict]:
+    """The row's events as rows the audit reads: each assistant turn the last message of its own
+    sample, its history visible content only. Only the last event has the engine's token ids
+    (those of the row's last turn)."""
+    messages = row_messages(row)
+    outcomes = list(row.get("turns") or [])
+    history: list[dict] = []
+    events = []
+    blank = {"prompt_token_ids": None, "completion_token_ids": None, "turns": None}
+    for message in messages:
+        if message["role"] != "assistant":
+            history.append(message)
+            continue
+        k = len(events)
+        outcome = outcomes[k] if k < len(outcomes) - 1 else {}
+        events.append({**row, **blank, "id": f"{row['id']}#turn{k}", "source_id": row["id"],
+                       "messages": list(history), "reasoning_content": message.get("reasoning_content"),
+                       "content": message.get("content"),
+                       "finish_reason": outcome.get("finish_reason", "stop"),
+                       "completion_tokens": outcome.get("completion_tokens"),
+                       "completion_token_ids": outcome.get("completion_token_ids")})
+        history.append({"role": "assistant", "content": message.get("content")})
+    events.append({**row, "turns": None, "id": f"{row['id']}#turn{len(events)}", "source_id": row["id"],
+                   "messages": history})
+    return events
+
+
+def training_samples(rows: list[dict], layout: TrainLayout, default_thinking: bool,
+                     template_thinks: bool = True) -> list[dict]:
+    """The samples training will see, one verdict for the export and the audit: a failed row or
+    one the export leaves out is one sample (marked ``left_out`` with the reason), the others
+    one sample per row (conversation) or per assistant turn (events). Reasoning is expected of
+    a row that asked for thinking, and of every row when the training template is a thinking
+    one (``template_thinks``): data made with thinking off fails there, the seed's lesson."""
+    out = []
+    for row in rows:
+        thinking = row.get("enable_thinking")
+        thinking = default_thinking if thinking is None else bool(thinking)
+        reason = why_left_out(row, expect_reasoning=thinking or template_thinks or layout == "events")
+        if row.get("error") is not None:
+            out.append(row)
+        elif reason is not None:
+            out.append({**row, "left_out": reason})
+        elif layout == "events":
+            out.extend(event_rows(row))
+        else:
+            out.append(row)
+    return out
