@@ -174,3 +174,87 @@ def test_an_answer_whose_text_re_encodes_to_other_tokens_is_found(qwen3_tokenize
     audit_dataset(data, qwen3_tokenizer_dir, tmp_path / "audit", AuditThresholds(1, 1.0))
     findings = {s["id"]: s["findings"] for s in pq.read_table(tmp_path / "audit" / "samples.parquet").to_pylist()}
     assert [i.split("#")[0] for i, f in findings.items() if "retokenized_differs" in f] == ["r1"]
+
+
+def test_regens_template_registry_is_specforges(tmp_path):
+    """Every template regen knows, field by field as SpecForge 0.2.0 registers it; every other
+    name of its registry refused with a reason."""
+    from regen.chat.templates import TRAIN_TEMPLATES, UNSUPPORTED
+
+    out = subprocess.run([str(SGLANG_PYTHON), str(ORACLE), "registry"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    registry = json.loads(out.stdout)
+    assert set(registry) - {"custom"} == set(TRAIN_TEMPLATES) | set(UNSUPPORTED)
+    for name, t in TRAIN_TEMPLATES.items():
+        theirs = registry[name]
+        assert (t.fmt.assistant_header, t.fmt.end_of_turn) == (theirs["assistant_header"], theirs["end_of_turn_token"]), name
+        assert (t.system_prompt or None) == (theirs["system_prompt"] or None), name
+        assert t.keeps_reasoning == (theirs["parser_type"] == "thinking"), name
+        assert t.ignore == tuple(theirs["ignore_token"] or ()), name
+        expected_render = True if theirs["parser_type"] == "thinking" and theirs["enable_thinking"] else (
+            False if theirs["parser_type"] == "glm" else None)
+        assert t.render_thinking == expected_render, name
+        assert (t.fmt.skip_after_header, bool(t.fmt.also_ends)) == (
+            "</think>" if theirs["assistant_pattern_type"] == "glm" else "",
+            theirs["assistant_pattern_type"] == "inkling"), name
+
+
+def chat_template_for(name: str) -> str:
+    """A chat template of this test's own that renders with the markers of SpecForge's template
+    ``name``: a stand-in for the model family's own, on the tiny model's tokenizer."""
+    from regen.chat.templates import TRAIN_TEMPLATES
+
+    fmt = TRAIN_TEMPLATES[name].fmt
+    eot = fmt.end_of_turn
+    user = eot if name in ("glm-5.2", "inkling-thinking") else "<|user_turn|>\n"  # the next turn ends a turn
+    think_open = "" if fmt.opens_thinking or fmt.assistant_header.endswith("<think>") else "<think>\n"
+    after = "" if user == eot else eot
+    q = lambda text: json.dumps(text)  # noqa: E731 (a Jinja string literal)
+    return ("{%- for m in messages %}"
+            "{%- if m.role == 'system' %}{{ " + q("<|sys|>") + " + m.content + " + q("\n") + " }}"
+            "{%- elif m.role == 'user' %}{{ " + q(user) + " + m.content + " + q("\n") + " }}"
+            "{%- else %}{{ " + q(fmt.assistant_header) + " }}"
+            "{%- if m.reasoning_content %}{{ " + q(think_open) + " + m.reasoning_content + " + q("\n</think>\n\n") + " }}"
+            "{%- endif %}{{ m.content + " + q(after) + " }}{%- endif %}{%- endfor %}")
+
+
+def test_every_other_template_gives_specforges_loss_tokens(tmp_path, tiny_model):
+    """Each template of the registry (the Qwen ones are checked above on the real tokenizer),
+    on a tokenizer whose chat template renders with its markers: regen's audit counts, uncut
+    and cut, equal SpecForge's parser's, per sample, in each layout the template trains in."""
+    import shutil
+
+    from regen.chat.templates import TRAIN_TEMPLATES
+
+    jobs, audited = {}, {}
+    for name, template in TRAIN_TEMPLATES.items():
+        if name.startswith("qwen3"):
+            continue
+        tokenizer = tmp_path / name / "tokenizer"
+        shutil.copytree(tiny_model, tokenizer, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+        (tokenizer / "chat_template.jinja").write_text(chat_template_for(name))
+        thinking = template.keeps_reasoning
+        data = tmp_path / name / "out" / "data"
+        data.mkdir(parents=True)
+        pq.write_table(pa.Table.from_pylist(make_rows(thinking, count=12), schema=ROW_SCHEMA), data / "shard.parquet")
+        for layout in ("conversation", "events") if thinking else ("conversation",):
+            export = tmp_path / name / f"{layout}.jsonl"
+            export_sharegpt(data, export, expect_reasoning=thinking, layout=layout)
+            for length in (None, 128):
+                report_dir = tmp_path / name / f"audit-{layout}-{length}"
+                audit_dataset(data, tokenizer, report_dir, AuditThresholds(1, 1.0, name, length, layout),
+                              default_thinking=thinking)
+                audited[(name, layout, length)] = {
+                    s["id"]: s["loss_tokens"] for s in pq.read_table(report_dir / "samples.parquet").to_pylist()}
+            jobs[f"{name}/{layout}"] = ["counts", str(tokenizer), str(export), name, [UNCUT, 128], layout == "events"]
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    out = subprocess.run([str(SGLANG_PYTHON), str(ORACLE), "batch", str(tmp_path / "jobs.json")],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    expected = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(expected) >= 20
+    for job, counts in expected.items():
+        name, layout = job.split("/")
+        assert counts and min(v[0] for v in counts.values()) > 0, job
+        assert audited[(name, layout, None)] == {i: v[0] for i, v in counts.items()}, job
+        assert audited[(name, layout, 128)] == {i: v[1] for i, v in counts.items()}, job
