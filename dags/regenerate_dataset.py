@@ -109,7 +109,7 @@ def audit(params=None) -> dict:
     """After the run's own servers are stopped (regen.pipeline), the audit; its verdict goes out
     with the dataset's Asset."""
     result = _run("audit", params)
-    extra = {"rows": result.samples, "verdict": result.verdict,
+    extra = {"rows": result.rows, "verdict": result.verdict,
              "degenerate_fraction": result.degenerate_fraction, "output": result.output}
     context = get_current_context()
     context["outlet_events"][DATASET].add(Asset(result.dataset_uri), extra=extra)

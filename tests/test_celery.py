@@ -119,7 +119,7 @@ def test_two_nodes_split_the_work_by_capacity(cluster, make_config, tmp_path):
     # Each node's setup and teardown ran on that node's worker.
     hosts = {t["task_id"]: t["hostname"] for t in instances if t["map_index"] == -1}
     for node in ("a", "b"):
-        for task in ("preflight", "stage_weights", "start_servers", "stop_servers"):
+        for task in ("stage_weights", "start_servers", "stop_servers"):
             assert hosts[f"{task}_{node}"] == f"worker-{node}", (task, node, hosts)
     df = dataset_ids(cfg)
     urls = {node: f"http://127.0.0.1:{spec.base_port}" for node, spec in zip("ab", cfg.nodes)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -137,3 +138,43 @@ def test_a_vllm_server_on_the_cpu_runs_its_model_in_the_engine_core_and_the_node
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     assert server_env(None, vllm.launch_env(None))["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     assert server_env(3, vllm.launch_env(3))["CUDA_VISIBLE_DEVICES"] == "3"
+
+
+FAKE_SMI = "#!/bin/sh\nprintf '0\\n1\\n2\\n3\\n4\\n5\\n6\\n7\\n'\n"
+
+
+@pytest.mark.parametrize("mask, gpus, expected", [
+    (None, None, [str(i) for i in range(8)]),  # no mask: every GPU nvidia-smi lists
+    ("4,5,6,7", None, ["4", "5", "6", "7"]),  # a scheduler's mask: those and only those
+    ("4,5,6,7", [1, 3], ["5", "7"]),  # gpus picks among them by position
+    ("GPU-aa11,GPU-bb22", None, ["GPU-aa11", "GPU-bb22"]),  # UUIDs kept as the mask spells them
+    ("MIG-1c2d", None, ["MIG-1c2d"]),
+    ("", None, [None, None]),  # masked to nothing: CPU servers (num_servers)
+])
+def test_servers_run_on_the_gpus_the_worker_was_given(make_config, tmp_path, monkeypatch, mask, gpus, expected):
+    """A fake nvidia-smi lists 8 GPUs, as it does whatever the mask; each server's GPU comes from
+    the worker's CUDA_VISIBLE_DEVICES, and is what that server's own CUDA_VISIBLE_DEVICES becomes."""
+    from regen.servers.gpus import server_slots
+    from regen.servers.lifecycle import server_env
+
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(FAKE_SMI)
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}:{os.environ['PATH']}")
+    if mask is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mask)
+    cfg = make_config(engine="sglang", gpus=gpus, num_servers=2)
+    slots = server_slots(cfg)
+    assert slots == expected
+    assert [server_env(s).get("CUDA_VISIBLE_DEVICES") for s in slots if s is not None] == [s for s in expected if s]
+
+
+def test_a_gpu_the_worker_was_not_given_is_refused_by_preflight(make_config, monkeypatch):
+    from regen.preflight import run_preflight
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    problems = run_preflight(make_config(gpus=[0, 2]), code=False).problems
+    assert "gpus [0, 2]: this worker was given 2 GPU(s) (4,5); no GPU at position(s) [2]" in problems

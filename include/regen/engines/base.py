@@ -39,7 +39,7 @@ class Engine:
     def launch_argv(self, cfg: RunConfig, model_path: str, port: int, api_key: str | None) -> list[str]:
         raise NotImplementedError
 
-    def launch_env(self, gpu: int | None) -> dict[str, str]:
+    def launch_env(self, gpu: str | None) -> dict[str, str]:
         """Environment a server of this engine needs on its GPU (``None``: on the CPU), over the
         node's own; a variable the node sets already keeps the node's value."""
         return {}

@@ -46,7 +46,7 @@ class VLLM(Engine):
             argv += ["--speculative-config", json.dumps(spec)]
         return argv + list(cfg.servers.extra_server_args)
 
-    def launch_env(self, gpu: int | None) -> dict[str, str]:
+    def launch_env(self, gpu: str | None) -> dict[str, str]:
         """On the CPU, the model runs inside the engine-core process. vLLM's default there is a
         worker process of its own, and the two wait for each other by spinning on shared memory
         (``sched_yield`` for a second after every message): on a small machine both cores spin

@@ -49,7 +49,7 @@ def build_command(cfg: RunConfig, model_path: str, port: int, api_key: str | Non
     return engine(cfg.engine).launch_argv(cfg, model_path, port, api_key)
 
 
-def server_env(gpu: int | None, engine_env: dict[str, str] | None = None) -> dict[str, str]:
+def server_env(gpu: str | int | None, engine_env: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     for name, value in (engine_env or {}).items():
         env.setdefault(name, value)

@@ -26,7 +26,7 @@ KEY_PLACEHOLDER = "<api-key>"
 @dataclass
 class ServerRecord:
     index: int
-    gpu: int | None
+    gpu: str | int | None  # as CUDA_VISIBLE_DEVICES names it (older records: an index)
     host: str
     port: int
     pid: int
