@@ -21,7 +21,7 @@ from regen.chat.render import generation_prefill, load_tokenizer, render, resolv
 from regen.chat.templates import TRAIN_TEMPLATES
 from regen.files import atomic_file
 from regen.layout import RunLayout
-from regen.rows import iter_batches, row_messages
+from regen.rows import asked_thinking, iter_batches, row_messages
 from regen.training import TrainLayout, conversation_record, event_records, training_samples, why_left_out
 
 @dataclass
@@ -86,8 +86,7 @@ def export_tokens(data_dir: str | Path, out: str | Path, tokenizer_dir: str | Pa
         completion = sample.get("completion_token_ids")
         if completion is not None and ranges:
             first, last = ranges[-1]
-            thinking = sample.get("enable_thinking")
-            filled = prefill[default_thinking if thinking is None else bool(thinking)]
+            filled = prefill[asked_thinking(sample, default_thinking)]
             start = assistant_spans(text, template.fmt)[-1][0]
             g = first + (len(encode(filled)) if filled and text.startswith(filled, start) else 0)
             generated = list(completion) + (after_eos if sample.get("finish_reason") == "stop" else [])

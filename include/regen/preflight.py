@@ -132,7 +132,7 @@ def check_prompts(cfg: RunConfig, report: PreflightReport, max_listed: int = 20)
     bad: list[str] = []
     duplicates: list[str] = []
     refused: dict[str, list[PromptError]] = {}
-    count, longest_chars, longest, history_without_reasoning = 0, 0, None, 0
+    count, longest_chars, longest, with_history = 0, 0, None, 0
     try:
         for item in read_prompts(path):
             problem = index.feed(item)
@@ -144,7 +144,7 @@ def check_prompts(cfg: RunConfig, report: PreflightReport, max_listed: int = 20)
             if isinstance(item, PromptError):
                 continue
             count += 1
-            history_without_reasoning += any(m["role"] == "assistant" for m in item.messages)
+            with_history += any(m["role"] == "assistant" for m in item.messages)
             chars = sum(len(m["content"]) for m in item.messages)
             if chars > longest_chars:
                 longest_chars, longest = chars, item
@@ -176,9 +176,9 @@ def check_prompts(cfg: RunConfig, report: PreflightReport, max_listed: int = 20)
                                    f"skip_invalid to leave them out")
             for rule, items in sorted(refused.items()):
                 report.problems.extend(f"  {e}" for e in items[:3])
-    if cfg.generation.regenerate_turns == "last" and cfg.enable_thinking and history_without_reasoning:
+    if cfg.generation.regenerate_turns == "last" and cfg.enable_thinking and with_history:
         report.problems.append(
-            f"regenerate_turns last with thinking on: {history_without_reasoning:,} conversations keep "
+            f"regenerate_turns last with thinking on: {with_history:,} conversations keep "
             f"the dataset's own earlier assistant turns, which have no reasoning; SpecForge's expander "
             f"and validator would drop every one after the GPU time is spent. Use regenerate_turns all")
     if count == 0 and not bad:

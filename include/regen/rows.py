@@ -81,6 +81,12 @@ def row_messages(row: dict) -> list[dict]:
     return [{k: v for k, v in m.items() if v is not None or k == "content"} for m in messages]
 
 
+def asked_thinking(row: dict, default: bool) -> bool:
+    """Whether the row was generated with thinking on (rows of older data may not say)."""
+    thinking = row.get("enable_thinking")
+    return default if thinking is None else bool(thinking)
+
+
 def iter_batches(layout: RunLayout, batch_size: int = 512) -> Iterator[list[dict]]:
     """Rows in batches, one file at a time: memory holds one batch, however large the data."""
     files = layout.data_files()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from regen.rows import row_messages
+from regen.rows import asked_thinking, row_messages
 
 TrainLayout = Literal["events", "conversation"]
 THINK_MARKERS = ("<think>", "</think>")
@@ -115,8 +115,7 @@ def training_samples(rows: list[dict], layout: TrainLayout, default_thinking: bo
     one (``template_thinks``): data made with thinking off fails there, the seed's lesson."""
     out = []
     for row in rows:
-        thinking = row.get("enable_thinking")
-        thinking = default_thinking if thinking is None else bool(thinking)
+        thinking = asked_thinking(row, default_thinking)
         reason = why_left_out(row, expect_reasoning=thinking or template_thinks or layout == "events")
         if row.get("error") is not None:
             out.append(row)

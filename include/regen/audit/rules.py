@@ -7,7 +7,7 @@ from regen.audit.findings import AuditThresholds
 from regen.chat.loss import assistant_spans, loss_token_counts
 from regen.chat.render import generation_prefill, render, training_messages
 from regen.chat.templates import TRAIN_TEMPLATES
-from regen.rows import row_messages
+from regen.rows import asked_thinking, row_messages
 from regen.turns import EARLIER_TURN_CUT
 
 
@@ -41,8 +41,7 @@ def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds,
         findings = result["findings"]
         result.update(loss_tokens=count.loss, loss_tokens_uncut=count.uncut, tokens=count.total)
         content = row.get("content") or ""
-        thinking = row.get("enable_thinking")
-        thinking = default_thinking if thinking is None else bool(thinking)
+        thinking = asked_thinking(row, default_thinking)
         reasonings = [row.get("reasoning_content")] + [m.get("reasoning_content") for m in _regenerated(row)]
         if thinking and not all((r or "").strip() for r in reasonings):
             findings.append("missing_reasoning")
@@ -80,8 +79,7 @@ def retokenized_differs(tokenizer, texts: list[str], rows: list[dict], fmt, defa
         spans = assistant_spans(texts[i], fmt) if row.get("completion_token_ids") is not None else []
         if spans:
             start, end = spans[-1]
-            thinking = row.get("enable_thinking")
-            filled = prefill[default_thinking if thinking is None else bool(thinking)]
+            filled = prefill[asked_thinking(row, default_thinking)]
             if filled and texts[i].startswith(filled, start):
                 start += len(filled)
             todo.append((i, texts[i][start:end].removesuffix(fmt.after_eos)))
