@@ -52,10 +52,10 @@ def _run(name: str, params, **kwargs):
 
 
 @task(retries=0)
-def preflight(dag_nodes: list[str], params=None) -> list[int]:
+def preflight(dag_nodes: list[str], dag_queue: str | None, params=None) -> list[int]:
     from airflow.configuration import conf
 
-    return _run("preflight", params, dag_nodes=dag_nodes,
+    return _run("preflight", params, dag_nodes=dag_nodes, dag_queue=dag_queue,
                 max_map_length=conf.getint("core", "max_map_length")).shards
 
 
@@ -140,14 +140,14 @@ def regeneration_dag(run: RunDefinition):
         params={name: Param(default, **schema) for name, (default, schema) in param_schemas(run.config).items()},
         doc_md=__doc__ + (f"\n\nDefaults and schedule from `{run.source}`." if run.source else ""),
         tags=["regen", "llm-data"],
-        default_args={"on_failure_callback": [AlertNotifier()], "queue": QUEUE},
+        default_args={"on_failure_callback": [AlertNotifier()], "queue": run.config.queue or QUEUE},
     )
     def regenerate():
-        shards = preflight([spec.name for spec in run.config.nodes])
+        shards = preflight([spec.name for spec in run.config.nodes], run.config.queue)
         generated = generate.expand(shard=shards)
         checked = canary()
         for spec in run.config.node_specs():  # each node's own tasks, on its queue, all at once
-            on_node = {"queue": spec.queue or QUEUE}
+            on_node = {"queue": spec.queue or run.config.queue or QUEUE}
             model = stage_weights.override(task_id=spec.task_id("stage_weights"), **on_node)(shards, spec.name)
             servers = start_servers.override(task_id=spec.task_id("start_servers"), **on_node)(model, spec.name)
             servers >> checked

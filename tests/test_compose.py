@@ -105,6 +105,28 @@ def test_the_gpu_worker_gets_gpus_shared_memory_and_its_own_queue(name):
     assert out.returncode == 0
 
 
+def _serving() -> dict[str, list[str]]:
+    """queue -> the workers that serve it."""
+    serving: dict[str, list[str]] = {}
+    for name, service in SERVICES.items():
+        if "--queues" in str(service.get("command", "")):
+            for q in service["command"].split("--queues")[1].split()[0].split(","):
+                serving.setdefault(q, []).append(name)
+    return serving
+
+
+def test_a_one_node_run_goes_to_one_worker():
+    """deploy/dataset.yaml's run has its servers on one machine: every one of its tasks goes to a
+    queue exactly one GPU worker serves (the shared `gpu` queue has two: a shard there could land
+    on the other worker, beside servers it cannot see)."""
+    from regen.dags.definitions import configured_file
+
+    run = configured_file(ROOT / "deploy" / "dataset.yaml")
+    assert not run.config.nodes and run.config.queue
+    assert len(_serving()[run.config.queue]) == 1
+    assert len(_serving()[SERVICES["airflow-gpu-worker"]["environment"]["REGEN_QUEUE"]]) > 1
+
+
 def test_two_gpu_nodes_one_run_over_both():
     """deploy/two_nodes.yaml: each node's queue is served by exactly one GPU worker, whose host
     name is the address its servers are reached at, on GPUs of its own; the output and the
@@ -116,11 +138,11 @@ def test_two_gpu_nodes_one_run_over_both():
     run = configured_file(ROOT / "deploy" / "two_nodes.yaml")
     env = SERVICES["airflow-gpu-worker"]["environment"]
     assert env["REGEN_CONFIG_DIR"] == "/opt/airflow/deploy" and run.dag_id == "regenerate_two_nodes"
-    serving = {q: name for name, s in SERVICES.items() if "--queues" in str(s.get("command", ""))
-               for q in s["command"].split("--queues")[1].split()[0].split(",")}
+    serving = _serving()
     host_gpus = []
     for spec in run.config.nodes:
-        worker = SERVICES[serving[spec.queue]]
+        assert len(serving[spec.queue]) == 1
+        worker = SERVICES[serving[spec.queue][0]]
         assert worker["hostname"] == spec.host
         devices = worker["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
         # inside its container a worker numbers the GPUs it was given from 0: `gpus` are positions

@@ -50,7 +50,7 @@ def bodies(cfg, engine_name: str) -> list[dict]:
 
 
 def test_sglang_accepts_regens_requests_and_the_simulator_answers_as_sglang(sim_servers):
-    cfg, records = sim_servers(num_servers=1)
+    cfg, records = sim_servers(num_servers=1, dp_size=2)  # its /server_info: one internal state per rank
     requests = bodies(cfg, "sglang")
     url, headers = records[0].url, {"Authorization": f"Bearer {records[0].api_key}"}
     responses = [httpx.post(f"{url}/v1/chat/completions", json=b, headers=headers, timeout=60).json() for b in requests]

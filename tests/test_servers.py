@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -69,10 +70,47 @@ def test_a_server_that_crashes_while_starting_fails_with_its_log_tail(make_confi
 def test_teardown_kills_children_that_ignore_sigterm(make_config):
     cfg = make_config(num_servers=1, extra_server_args=["--sim-orphan-child"])
     records = start_servers(cfg, cfg.model_path)
-    assert len(session_pids(records[0].pid)) == 3  # the log relay, the server and its stubborn child
+    assert len(session_pids(records[0].pid)) == 2  # the server and its stubborn child (the log relay is apart)
     left = stop_records(records, grace_s=1)
     assert left == []
     assert session_pids(records[0].pid) == []
+
+
+def test_the_recorded_pid_is_the_server_and_its_log_relay_can_die(make_config):
+    """A full disk or a stray kill ends the log relay, never the server: the recorded process is
+    the server itself, still running and reused afterwards (a relaunch would cost minutes of
+    loading on a GPU node)."""
+    cfg = make_config(num_servers=1)
+    records = start_servers(cfg, cfg.model_path)
+    try:
+        cmdline = open(f"/proc/{records[0].pid}/cmdline", "rb").read().split(b"\0")
+        assert b"sim" in cmdline and b"regen.logrelay" not in cmdline
+        relays = processes_with_args("regen.logrelay", records[0].log_path)
+        assert len(relays) == 1
+        os.kill(relays[0], 9)
+        assert records[0].running()
+        again = start_servers(cfg, cfg.model_path)
+        assert again[0].pid == records[0].pid
+    finally:
+        stop_servers(RunLayout(cfg.output))
+
+
+def test_the_log_relay_survives_a_full_disk_and_says_what_it_lost(tmp_path):
+    """/dev/full fails every write with ENOSPC: the relay still drains the server's pipe to the
+    end (a server writing to a pipe nobody reads would block), and once writing works again
+    the log says how much was lost."""
+    from regen.logrelay import LogWriter
+
+    proc = subprocess.run([sys.executable, "-m", "regen.logrelay", "/dev/full"], input=b"x" * (1 << 20),
+                          capture_output=True, timeout=60)
+    assert proc.returncode == 0
+    writer = LogWriter(os.open("/dev/full", os.O_WRONLY))
+    writer.write(b"lost line\n")
+    writer.log_fd = os.open(tmp_path / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    writer.write(b"next line\n")
+    text = (tmp_path / "log").read_text()
+    assert "10 bytes of server output lost: No space left on device" in text
+    assert text.endswith("next line\n")
 
 
 def test_teardown_escalates_to_sigkill_for_a_server_that_ignores_sigterm(tmp_path):
@@ -143,38 +181,90 @@ def test_a_vllm_server_on_the_cpu_runs_its_model_in_the_engine_core_and_the_node
 FAKE_SMI = "#!/bin/sh\nprintf '0\\n1\\n2\\n3\\n4\\n5\\n6\\n7\\n'\n"
 
 
-@pytest.mark.parametrize("mask, gpus, expected", [
-    (None, None, [str(i) for i in range(8)]),  # no mask: every GPU nvidia-smi lists
-    ("4,5,6,7", None, ["4", "5", "6", "7"]),  # a scheduler's mask: those and only those
-    ("4,5,6,7", [1, 3], ["5", "7"]),  # gpus picks among them by position
-    ("GPU-aa11,GPU-bb22", None, ["GPU-aa11", "GPU-bb22"]),  # UUIDs kept as the mask spells them
-    ("MIG-1c2d", None, ["MIG-1c2d"]),
-    ("", None, [None, None]),  # masked to nothing: CPU servers (num_servers)
-])
-def test_servers_run_on_the_gpus_the_worker_was_given(make_config, tmp_path, monkeypatch, mask, gpus, expected):
-    """A fake nvidia-smi lists 8 GPUs, as it does whatever the mask; each server's GPU comes from
-    the worker's CUDA_VISIBLE_DEVICES, and is what that server's own CUDA_VISIBLE_DEVICES becomes."""
-    from regen.servers.gpus import server_slots
-    from regen.servers.lifecycle import server_env
-
+@pytest.fixture
+def fake_smi(tmp_path, monkeypatch):
+    """An nvidia-smi on PATH that lists 8 GPUs, as the real one does whatever the mask."""
     smi = tmp_path / "bin" / "nvidia-smi"
     smi.parent.mkdir()
     smi.write_text(FAKE_SMI)
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{smi.parent}:{os.environ['PATH']}")
-    if mask is None:
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    else:
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mask)
-    cfg = make_config(engine="sglang", gpus=gpus, num_servers=2)
-    slots = server_slots(cfg)
-    assert slots == expected
-    assert [server_env(s).get("CUDA_VISIBLE_DEVICES") for s in slots if s is not None] == [s for s in expected if s]
+
+    def mask(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+    return mask
 
 
-def test_a_gpu_the_worker_was_not_given_is_refused_by_preflight(make_config, monkeypatch):
+@pytest.mark.parametrize("mask, gpus, tp, dp, expected", [
+    (None, None, 1, 1, [str(i) for i in range(8)]),  # no mask: every GPU nvidia-smi lists
+    ("4,5,6,7", None, 1, 1, ["4", "5", "6", "7"]),  # a scheduler's mask: those and only those
+    ("4,5,6,7", [1, 3], 1, 1, ["5", "7"]),  # gpus picks among them by position
+    ("GPU-aa11,GPU-bb22", None, 1, 1, ["GPU-aa11", "GPU-bb22"]),  # UUIDs kept as the mask spells them
+    ("MIG-1c2d", None, 1, 1, ["MIG-1c2d"]),
+    ("", None, 1, 1, [None, None]),  # masked to nothing: CPU servers (num_servers)
+    (None, None, 2, 1, ["0,1", "2,3", "4,5", "6,7"]),  # tensor parallel: a server per pair
+    ("4,5,6,7", None, 2, 1, ["4,5", "6,7"]),
+    ("4,5,6,7", None, 1, 2, ["4,5", "6,7"]),  # data parallel: ranks of one server
+    ("4,5,6,7", None, 2, 2, ["4,5,6,7"]),
+    ("GPU-a,GPU-b,GPU-c,GPU-d", [3, 2, 1, 0], 2, 1, ["GPU-d,GPU-c", "GPU-b,GPU-a"]),
+    (None, [6, 7], 1, 2, ["6,7"]),
+])
+def test_servers_run_on_the_gpus_the_worker_was_given(make_config, fake_smi, mask, gpus, tp, dp, expected):
+    """Each server's GPUs come from the worker's CUDA_VISIBLE_DEVICES (tp_size x dp_size of them,
+    server i the i-th group), and are what that server's own CUDA_VISIBLE_DEVICES becomes."""
+    from regen.servers.lifecycle import plan, server_env
+
+    fake_smi(mask)
+    cfg = make_config(engine="sglang", gpus=gpus, num_servers=2, tp_size=tp, dp_size=dp)
+    servers = plan(cfg).servers
+    assert [s.cuda_visible_devices for s in servers] == expected
+    assert [s.port for s in servers] == [cfg.servers.base_port + i for i in range(len(expected))]
+    assert [server_env(s.cuda_visible_devices).get("CUDA_VISIBLE_DEVICES") for s in servers if s.cuda_visible_devices] \
+        == [e for e in expected if e]
+    for s in servers:  # the engine is told how to use them
+        assert ("--tp-size" in s.argv) == (tp > 1) and ("--dp-size" in s.argv) == (dp > 1)
+        if tp > 1:
+            assert s.argv[s.argv.index("--tp-size") + 1] == str(tp)
+        if dp > 1:
+            assert s.argv[s.argv.index("--dp-size") + 1] == str(dp)
+
+
+@pytest.mark.parametrize("mask, gpus, tp, dp, message", [
+    ("4,5,6", None, 2, 1, "tp_size 2 x dp_size 1 = 2 GPUs per server: the 3 GPU(s) 4,5,6 leave 1 unused"),
+    ("4,5", None, 2, 2, "tp_size 2 x dp_size 2 = 4 GPUs per server: the 2 GPU(s) 4,5 cannot hold one server"),
+    ("4,5", [0, 2], 1, 1, "gpus [0, 2]: this worker was given 2 GPU(s) (4,5); no GPU at position(s) [2]"),
+])
+def test_a_layout_the_gpus_cannot_hold_is_refused_by_preflight(make_config, fake_smi, mask, gpus, tp, dp, message):
     from regen.preflight import run_preflight
 
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-    problems = run_preflight(make_config(gpus=[0, 2]), code=False).problems
-    assert "gpus [0, 2]: this worker was given 2 GPU(s) (4,5); no GPU at position(s) [2]" in problems
+    fake_smi(mask)
+    problems = run_preflight(make_config(engine="sglang", gpus=gpus, tp_size=tp, dp_size=dp), code=False).problems
+    assert any(p.startswith(message) for p in problems), problems
+
+
+def test_serve_dry_run_prints_the_plan_and_starts_nothing(make_config, fake_smi, tmp_path):
+    """`regen serve --dry-run`: one JSON document, the same plan preflight reports; no process,
+    no record."""
+    import json
+
+    from regen.preflight import run_preflight
+
+    fake_smi("2,3,4,5")
+    cfg = make_config(engine="sglang", tp_size=2, api_key="a-secret-key-1234")
+    path = tmp_path / "config.json"
+    path.write_text(cfg.model_dump_json())
+    out = subprocess.run([str(Path(sys.executable).parent / "regen"), "serve", "--config", str(path), "--dry-run"],
+                         capture_output=True, text=True, timeout=120, env=os.environ)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert [(s["index"], s["port"], s["cuda_visible_devices"]) for s in doc["servers"]] == [
+        (0, cfg.servers.base_port, "2,3"), (1, cfg.servers.base_port + 1, "4,5")]
+    argv = doc["servers"][0]["argv"]
+    assert argv[1:3] == ["-m", "sglang.launch_server"] and "a-secret-key-1234" not in out.stdout
+    assert not RunLayout(cfg.output).servers_state.exists()
+    assert processes_with_args("--port", str(cfg.servers.base_port)) == []
+    assert run_preflight(cfg, code=False).info["servers"] == doc["servers"]
+

@@ -31,6 +31,20 @@ def peak_in_flight(url: str) -> int:
     return httpx.get(f"{url}/server_info").json()["internal_states"][0]["sim_peak_requests_in_flight"]
 
 
+def test_a_data_parallel_servers_budget_is_its_ranks_times_the_per_rank_limit(sim_servers):
+    """`--dp-size 2`: SGLang's /server_info has one internal state per rank, each with its own
+    effective limit (8 here); the server runs 2 x 8 at once, not 8."""
+    import asyncio
+
+    from regen.dispatch import ClientTuning, discover
+
+    cfg, records = sim_servers(num_servers=1, dp_size=2, concurrency_per_server=None, extra_server_args=SGLANG_MAMBA)
+    info = httpx.get(f"{records[0].url}/server_info").json()
+    assert info["dp_size"] == 2 and [s["effective_max_running_requests_per_dp"] for s in info["internal_states"]] == [8, 8]
+    endpoint = asyncio.run(discover(records[0].url, records[0].api_key, cfg, ClientTuning()))
+    assert endpoint.size == 2 * 8 + cfg.generation.queue_margin
+
+
 def test_the_limit_is_sglangs_effective_one_and_shared_by_every_shard(sim_servers, tmp_path):
     """SGLang 0.5.23 reports 64 (launch value) and 8 (effective): one generator, then four shard
     generators at once, never keep more than 8 + the queue margin in flight."""

@@ -140,6 +140,9 @@ def cmd_stage(args) -> int:
 
 def cmd_serve(args) -> int:
     cfg = load_config(args)
+    if args.dry_run:
+        print(run("server_plan", cfg, model_path=args.served_model_path).model_dump_json(indent=1))
+        return 0
     if args.stop:
         print(run("stop_servers", cfg, run_id=args.run_id, every=args.every).summary)
         return 0
@@ -268,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--stop stops only that run's")
     p.add_argument("--every", action="store_true", help="with --stop: every recorded server, "
                    "whichever run owns it")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (each server's port, GPUs and "
+                   "command) as JSON and start nothing")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("logs", help="the last lines of each server's log")

@@ -105,7 +105,7 @@ def bring_up(cfg: RunConfig, run_id: str) -> list[ServerRecord]:
     teardown ran): the same staging and start as the setup tasks, under the node's lock."""
     layout = cfg.layout
     with lifecycle.node_lock(layout):  # another shard may be starting them: its start ends with them healthy
-        records = read_state(layout)
+        records = lifecycle.refuse_other_nodes(read_state(layout))
     if records and any(r.running() for r in records):
         return lifecycle.recorded(cfg)
     log.warning("no server of this output is running on %s: starting them here (run %s)",

@@ -311,19 +311,20 @@ def check_output(cfg: RunConfig, report: PreflightReport) -> None:
 
 
 def check_ports(cfg: RunConfig, report: PreflightReport) -> None:
-    from regen.servers.gpus import server_slots
-    from regen.servers.lifecycle import is_healthy, port_is_free
+    """The servers this node would launch (the plan ``regen serve --dry-run`` prints) fit its
+    GPUs, and their ports are free or already ours."""
+    from regen.servers.gpus import GpuLayoutError
+    from regen.servers.lifecycle import is_healthy, plan, port_is_free
     from regen.servers.records import read_state
 
     try:
-        slots = server_slots(cfg)
-    except ValueError as exc:
+        servers = plan(cfg).servers
+    except GpuLayoutError as exc:
         report.problems.append(str(exc))
         return
-    report.info["gpus"] = slots
+    report.info["servers"] = [s.model_dump() for s in servers]
     ours = {r.port for r in read_state(cfg.layout) if is_healthy(r.url)}
-    taken = [cfg.servers.base_port + i for i in range(len(slots))
-             if cfg.servers.base_port + i not in ours and not port_is_free(cfg.servers.host, cfg.servers.base_port + i)]
+    taken = [s.port for s in servers if s.port not in ours and not port_is_free(cfg.servers.host, s.port)]
     if taken:
         report.problems.append(f"port{'s' if len(taken) > 1 else ''} {', '.join(map(str, taken))} "
                                f"on {cfg.servers.host} already in use: free them or change base_port")
@@ -337,17 +338,22 @@ def check_map_length(cfg: RunConfig, report: PreflightReport, max_map_length: in
             f"{max_map_length} shards or raise the setting")
 
 
-def check_nodes(cfg: RunConfig, report: PreflightReport, dag_nodes: list[str] | None) -> None:
+def check_nodes(cfg: RunConfig, report: PreflightReport, dag_nodes: list[str] | None,
+                dag_queue: str | None = None) -> None:
     """Each node's tasks are routed to its queue when the DAG is parsed: a run cannot add,
-    drop or rename nodes from the trigger form."""
+    drop or rename nodes, or move a one-node run to another queue, from the trigger form."""
     asked = [spec.name for spec in cfg.nodes]
     if dag_nodes is not None and asked != dag_nodes:
         report.problems.append(f"nodes {asked} differ from the nodes this DAG was built for {dag_nodes}: "
                                f"change the nodes in the deployment's config file, not in the trigger form")
+    if dag_nodes is not None and cfg.queue != dag_queue:
+        report.problems.append(f"queue {cfg.queue!r} differs from the queue this DAG was built for {dag_queue!r}: "
+                               f"change it in the deployment's config file, not in the trigger form")
 
 
 def run_preflight(cfg: RunConfig, code: bool = True, max_map_length: int | None = None,
-                  scope: str = "all", dag_nodes: list[str] | None = None) -> PreflightReport:
+                  scope: str = "all", dag_nodes: list[str] | None = None,
+                  dag_queue: str | None = None) -> PreflightReport:
     """``scope``: "all" (a one-node run), "run" (what every node shares: config, prompts,
     output) or "node" (what each node has: code, engine, model, staging space, ports)."""
     started = time.monotonic()
@@ -356,7 +362,7 @@ def run_preflight(cfg: RunConfig, code: bool = True, max_map_length: int | None 
         report.problems.extend(check_code())
     if scope != "node":
         check_map_length(cfg, report, max_map_length)
-        check_nodes(cfg, report, dag_nodes)
+        check_nodes(cfg, report, dag_nodes, dag_queue)
     if scope != "run":
         check_engine(cfg, report)
     if scope != "node":
@@ -381,21 +387,22 @@ def prepare_node(cfg: RunConfig) -> StagedModel:
         report = run_preflight(cfg, scope="node")
         if not report.ok:
             raise PreflightFailed([f"node {cfg.node}: {problem}" for problem in report.problems])
-        log.info("node %s: preflight passed in %.1f s (engine %s, %d server(s) from port %d)", cfg.node,
-                 report.seconds, cfg.engine, cfg.servers.count_hint(), cfg.servers.base_port)
+        log.info("node %s: preflight passed in %.1f s (engine %s; %s)", cfg.node, report.seconds, cfg.engine,
+                 plan_line(report.info.get("servers", [])))
     return stage_weights(cfg)
 
 
 def check(cfg: RunConfig, code: bool = True, run_id: str = "cli",
-          max_map_length: int | None = None, dag_nodes: list[str] | None = None) -> PreflightResult:
+          max_map_length: int | None = None, dag_nodes: list[str] | None = None,
+          dag_queue: str | None = None) -> PreflightResult:
     """The preflight stage: every check, here, with this interpreter; PreflightFailed listing
     every problem, else the run manifest written (the prompt index) and the shards to map over.
     ``max_map_length``: the deployment's limit on mapped tasks (the DAG passes Airflow's);
-    ``dag_nodes``: the listed node names the DAG was built with."""
+    ``dag_nodes`` and ``dag_queue``: the listed node names and the run's queue the DAG was built with."""
     from regen.manifest import Manifest
 
     report = run_preflight(cfg, code=code, max_map_length=max_map_length,
-                           scope="run" if cfg.nodes else "all", dag_nodes=dag_nodes)
+                           scope="run" if cfg.nodes else "all", dag_nodes=dag_nodes, dag_queue=dag_queue)
     if not report.ok:
         raise PreflightFailed(report.problems)
     from regen.generate import shards_to_run  # only now: the code it is in has just been checked
@@ -410,4 +417,12 @@ def check(cfg: RunConfig, code: bool = True, run_id: str = "cli",
                                    + (f" ({sum(info['skipped_conversations'].values()):,} skipped)"
                                       if info.get("skipped_conversations") else "")
                                    + f", engine {cfg.engine}, training as {info.get('train_template')} "
-                                   f"({info.get('train_layout')} layout); {work}")
+                                   f"({info.get('train_layout')} layout); {work}"
+                                   + (f"\n{plan_line(info['servers'])}" if "servers" in info else ""))
+
+
+def plan_line(servers: list[dict]) -> str:
+    """The server plan in one line: each server's port and GPUs (the argv is in the result)."""
+    return f"{len(servers)} server(s): " + "; ".join(
+        f":{s['port']} on " + (f"GPU {s['cuda_visible_devices']}" if s["cuda_visible_devices"] else "CPU")
+        for s in servers)

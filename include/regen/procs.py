@@ -83,23 +83,35 @@ def signal_session(pid: int, ticks: int | None, sig: int) -> bool:
 def spawn(argv: list[str], log_path: Path, env: dict[str, str], cwd: Path,
           secret: str | None = None) -> subprocess.Popen:
     """A server in a session of its own, its output appended to ``log_path`` (owner-only);
-    with a ``secret``, through :mod:`regen.logrelay`, which takes it out of the log."""
+    with a ``secret``, through a pipe to :mod:`regen.logrelay` (a process of its own beside the
+    server, not around it), which takes the secret out of the log."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.chmod(log_path, 0o600)
-    if secret:
-        argv = [sys.executable, "-m", "regen.logrelay", str(log_path), "--", *argv]
-        env = {**env, "REGEN_LOG_SECRET": secret}
     with os.fdopen(fd, "ab") as log_fh:
-        proc = subprocess.Popen(argv, stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True, cwd=cwd)
+        if not secret:
+            proc = subprocess.Popen(argv, stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True, cwd=cwd)
+        else:
+            read_end, write_end = os.pipe()
+            try:
+                relay = subprocess.Popen([sys.executable, "-m", "regen.logrelay", str(log_path)], stdin=read_end,
+                                         stdout=subprocess.DEVNULL, stderr=log_fh,
+                                         env={**env, "REGEN_LOG_SECRET": secret}, start_new_session=True, cwd=cwd)
+                _children[relay.pid] = relay
+                proc = subprocess.Popen(argv, stdout=write_end, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env, start_new_session=True, cwd=cwd)
+            finally:
+                os.close(read_end)
+                os.close(write_end)
     _children[proc.pid] = proc
     return proc
 
 
-def reap(pid: int) -> None:
-    proc = _children.get(pid)
-    if proc is not None and proc.poll() is not None:
-        _children.pop(pid, None)
+def reap(pid: int | None = None) -> None:
+    """Collect the exit status of children that ended (``pid``: that one), so none is left a zombie."""
+    for child_pid, proc in list(_children.items()):
+        if (pid is None or child_pid == pid) and proc.poll() is not None:
+            _children.pop(child_pid, None)
 
 
 def stop_sessions(sessions: list[tuple[int, int | None, str]], grace_s: float) -> dict[str, list[int]]:
@@ -118,4 +130,5 @@ def stop_sessions(sessions: list[tuple[int, int | None, str]], grace_s: float) -
             while session_pids(pid) and time.monotonic() < kill_deadline:
                 time.sleep(0.05)
         reap(pid)
+    reap()  # the servers' log relays end with them
     return {name: session_pids(pid) for pid, name in ours}

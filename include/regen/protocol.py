@@ -88,7 +88,8 @@ def error_body(message: str, code: int, kind: str = "BadRequestError") -> dict[s
     return {"object": "error", "message": message, "type": kind, "code": code}
 
 
-def server_info(args: dict[str, Any], internal: dict[str, Any]) -> dict[str, Any]:
+def server_info(args: dict[str, Any], ranks: int, internal: dict[str, Any]) -> dict[str, Any]:
     """SGLang 0.5.23's ``/server_info``: the resolved server arguments at the top level and in
-    each internal state, beside the scheduler's own values (internal_state.py)."""
-    return {**args, "version": "regen-sim", "internal_states": [{**args, **internal}]}
+    each internal state (one per data parallel rank), beside the scheduler's own values
+    (internal_state.py)."""
+    return {**args, "version": "regen-sim", "internal_states": [{**args, **internal} for _ in range(ranks)]}

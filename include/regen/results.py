@@ -42,6 +42,18 @@ class ServersUp(StageResult):
     summary: str
 
 
+class PlannedServer(BaseModel):
+    index: int
+    port: int
+    cuda_visible_devices: str | None  # its tp_size x dp_size GPUs; None: a CPU server
+    argv: list[str]
+
+
+class ServerPlan(StageResult):
+    """What start_servers would launch (``regen serve --dry-run``, preflight's report)."""
+    servers: list[PlannedServer]
+
+
 class ServersStopped(StageResult):
     stopped: int
     left: list[dict[str, Any]]  # other runs' servers, left running

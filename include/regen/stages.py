@@ -53,6 +53,7 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
     Stage("stop_servers", "regen.servers.lifecycle:teardown", results.ServersStopped, Where.NODE,
           takes_run_id=True),
     Stage("audit", "regen.audit.dataset:audit_run", results.AuditResult, Where.AFTER_GENERATION),
+    Stage("server_plan", "regen.servers.lifecycle:plan", results.ServerPlan, Where.NODE),
     Stage("server_logs", "regen.servers.lifecycle:tail_logs", results.ServerLogs, Where.NODE),
     Stage("status", "regen.status:run_status", results.RunStatus, Where.RUN),
 )}

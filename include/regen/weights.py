@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from regen.config import RunConfig
+from regen.coordination import FileLock
 from regen.errors import RegenError
+from regen.machine import node_name
 from regen.manifest import SMALL_FILE, STAGED_COPY_RECORD, Manifest, model_fingerprint
 from regen.results import StagedModel
 from regen.units import format_bytes
@@ -72,9 +74,19 @@ def _copy_one(src: Path, dst: Path, rel: str) -> None:
 
 
 def stage_model(src: str | Path, staging_dir: str | Path, workers: int = 4) -> CopyResult:
+    """One stager per copy at a time (``STAGING/.NAME.lock``): two runs staging the same model on
+    one node would otherwise remove each other's half copies; the second waits, then finds the
+    copy done."""
     src, staging_dir = Path(src), Path(staging_dir)
     if not (src / "config.json").is_file():
         raise StageError(f"model_path {src}: not a model directory (no config.json)")
+    staging_dir.mkdir(parents=True, exist_ok=True)
+    lock = staging_dir / f".{staged_path(src, staging_dir).name}.lock"
+    with FileLock(lock, note=f"pid {os.getpid()} on {node_name()}"):
+        return _stage_locked(src, staging_dir, lock, workers)
+
+
+def _stage_locked(src: Path, staging_dir: Path, lock: Path, workers: int) -> CopyResult:
     started = time.monotonic()
     manifest = source_manifest(src)
     total = sum(f["size"] for f in manifest.values())
@@ -90,9 +102,9 @@ def stage_model(src: str | Path, staging_dir: str | Path, workers: int = 4) -> C
                      src, dest, len(manifest), total / 1e6)
             return CopyResult(dest, False, total, time.monotonic() - started)
         log.info("%s changed since it was staged: staging again", src)
-    staging_dir.mkdir(parents=True, exist_ok=True)
     for leftover in staging_dir.glob(f".{dest.name}.*"):  # a copy interrupted earlier
-        shutil.rmtree(leftover, ignore_errors=True)
+        if leftover != lock:
+            shutil.rmtree(leftover, ignore_errors=True)
     reclaimable = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file()) if dest.exists() else 0
     free = shutil.disk_usage(staging_dir).free + reclaimable
     if total * SPACE_MARGIN > free:

@@ -12,7 +12,8 @@ from regen.machine import node_name
 
 # The run's own fields a listed node may set differently (by their flat names).
 NODE_OVERRIDES = ("ssh_conn_id", "remote_regen", "gpus", "num_servers", "host", "base_port", "staging_dir",
-                  "engine_python", "extra_server_args", "max_running_requests", "sim_tokens_per_second")
+                  "engine_python", "extra_server_args", "max_running_requests", "tp_size", "dp_size",
+                  "sim_tokens_per_second")
 
 
 class NodeSpec(BaseModel):
@@ -36,6 +37,8 @@ class NodeSpec(BaseModel):
     engine_python: str | None = None
     extra_server_args: list[str] | None = None
     max_running_requests: int | None = Field(None, ge=1)
+    tp_size: int | None = Field(None, ge=1, le=64)
+    dp_size: int | None = Field(None, ge=1, le=64)
     sim_tokens_per_second: float | None = Field(None, ge=0)
     max_shards: int = Field(2, ge=1, le=1024, description="Shards generating on this node at once.")
     # The one node of a run that lists none: its stages run where the run's tasks run, under

@@ -73,7 +73,8 @@ class ServerOptions(Options):
         "whatever happens to Airflow (a watchdog on the node). Empty: never.")
     extra_server_args: list[str] = Field(
         default_factory=list, title="Extra server arguments",
-        description="Appended to the launch command as separate arguments, e.g. `--tp-size` `2`.")
+        description="Appended to the launch command as separate arguments, e.g. `--chunked-prefill-size` "
+        "`8192` (GPUs per server: tp_size and dp_size).")
 
     @field_validator("engine_python")
     @classmethod
@@ -127,6 +128,14 @@ class EngineOptions(Options):
     max_running_requests: int | None = Field(
         None, ge=1, title="Max running requests", description="Per server (`--max-running-requests`).")
     max_mamba_cache_size: int | None = Field(None, ge=1, title="Mamba cache slots")
+    tp_size: int = Field(
+        1, ge=1, le=64, title="Tensor parallel size",
+        description="GPUs one model copy is split over (SGLang `--tp-size`, vLLM `--tensor-parallel-size`). "
+        "A server takes tp_size x dp_size GPUs.")
+    dp_size: int = Field(
+        1, ge=1, le=64, title="Data parallel size",
+        description="Model copies inside one server (SGLang `--dp-size`, vLLM `--data-parallel-size`), "
+        "each running up to max_running_requests.")
     context_length: int | None = Field(
         None, ge=16, title="Context length",
         description="Override of the model's context length (`--context-length`).")

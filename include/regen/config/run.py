@@ -69,6 +69,12 @@ class RunConfig(BaseModel):
         "regen", title="regen on the node",
         description="The `regen` command on the SSH node (a path, e.g. /opt/regen/.venv/bin/regen).",
         json_schema_extra=_in("Node"))
+    queue: str | None = Field(
+        None, title="Queue of this run's node", pattern=r"^[A-Za-z0-9_\-.]{1,100}$",
+        description="Celery queue that only this run's GPU node serves: every task of a one-node run "
+        "goes there, so its servers, shards and teardown share one machine (a queue several workers "
+        "serve would scatter them). Set by the deployment's config file. Empty: REGEN_QUEUE.",
+        json_schema_extra=_in("Node"))
     nodes: list[NodeSpec] = Field(
         default_factory=list, title="GPU nodes",
         description="Several GPU nodes for one run, each a Celery queue or an SSH connection with "
@@ -133,6 +139,13 @@ class RunConfig(BaseModel):
         if value is not None and not re.fullmatch(r"[A-Za-z0-9_\-.]{1,250}", value):
             raise ValueError("must be an Airflow connection id (letters, digits, '_', '-', '.')")
         return value or None
+
+    @model_validator(mode="after")
+    def _queue_or_nodes(self) -> "RunConfig":
+        if self.queue and self.nodes:
+            raise ValueError("queue: a run over several nodes takes each node's own queue (nodes.N.queue); "
+                             "unset queue")
+        return self
 
     @model_validator(mode="after")
     def _ports_fit(self) -> "RunConfig":

@@ -12,6 +12,17 @@ def flag(name: str, value: Any) -> list[str]:
     return [name, str(value)] if value is not None else []
 
 
+def parallel_flags(cfg: RunConfig, tp_flag: str, dp_flag: str) -> list[str]:
+    """Tensor and data parallel sizes, left out at 1 (the engines' default) so that a
+    one-GPU server's launch line is the same as before they existed."""
+    argv = []
+    if cfg.engine_options.tp_size != 1:
+        argv += [tp_flag, str(cfg.engine_options.tp_size)]
+    if cfg.engine_options.dp_size != 1:
+        argv += [dp_flag, str(cfg.engine_options.dp_size)]
+    return argv
+
+
 class Engine:
     name: ClassVar[str]
     # `--reasoning-parser` values the engine knows.

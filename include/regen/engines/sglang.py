@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from regen.config import RunConfig
-from regen.engines.base import Engine, flag
+from regen.engines.base import Engine, flag, parallel_flags
 
 
 class SGLang(Engine):
@@ -36,6 +36,7 @@ class SGLang(Engine):
         argv += flag("--max-running-requests", cfg.engine_options.max_running_requests)
         argv += flag("--max-mamba-cache-size", cfg.engine_options.max_mamba_cache_size)
         argv += flag("--context-length", cfg.engine_options.context_length)
+        argv += parallel_flags(cfg, "--tp-size", "--dp-size")
         argv += flag("--random-seed", cfg.sampling.seed)
         return argv + self.own_flags(cfg) + list(cfg.servers.extra_server_args)
 
@@ -43,19 +44,20 @@ class SGLang(Engine):
         return []
 
     def effective_limit(self, info: dict, launch_limit: int | None) -> int | None:
-        """`internal_states[].effective_max_running_requests_per_dp` is the scheduler's real
-        limit (lower than the launch value on hybrid Mamba models: SGLang issue 38846);
-        `max_running_requests` beside it is only the launch value, null when not given."""
-        values = []
-        for state in info.get("internal_states") or []:
-            if isinstance(state, dict):
-                value = state.get("effective_max_running_requests_per_dp")
-                if value is None:
-                    value = state.get("max_running_requests")
-                if isinstance(value, int) and value > 0:
-                    values.append(value)
-        if not values and isinstance(info.get("max_running_requests"), int):
-            values.append(info["max_running_requests"])
+        """Each data parallel rank runs up to its ``effective_max_running_requests_per_dp`` (lower
+        than the launch value on hybrid Mamba models: SGLang issue 38846), and a server of
+        ``dp_size`` ranks (one internal state each) that many times over. ``max_running_requests``
+        beside it is only the launch value for the whole server, null when not given."""
+        states = [s for s in info.get("internal_states") or [] if isinstance(s, dict)]
+        per_rank = [s["effective_max_running_requests_per_dp"] for s in states
+                    if isinstance(s.get("effective_max_running_requests_per_dp"), int)
+                    and s["effective_max_running_requests_per_dp"] > 0]
+        ranks = max(len(states), info.get("dp_size") if isinstance(info.get("dp_size"), int) else 1, 1)
+        values = [min(per_rank) * ranks] if per_rank else []
+        if not values:
+            launched = [v for v in [info.get("max_running_requests"), *(s.get("max_running_requests") for s in states)]
+                        if isinstance(v, int) and v > 0]
+            values += launched[:1]
         if launch_limit:
             values.append(launch_limit)
         return min(values) if values else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from regen.config import RunConfig
-from regen.engines.base import Engine, flag
+from regen.engines.base import Engine, flag, parallel_flags
 
 # SGLang's speculative algorithms by vLLM's `--speculative-config` method.
 SPECULATIVE_METHOD = {"EAGLE": "eagle", "EAGLE3": "eagle3", "NEXTN": "mtp", "NGRAM": "ngram",
@@ -39,6 +39,7 @@ class VLLM(Engine):
         argv += flag("--gpu-memory-utilization", cfg.engine_options.mem_fraction_static)
         argv += flag("--max-model-len", cfg.engine_options.context_length)
         argv += flag("--seed", cfg.sampling.seed)
+        argv += parallel_flags(cfg, "--tensor-parallel-size", "--data-parallel-size")
         if cfg.engine_options.speculative_algorithm:
             spec: dict = {"method": SPECULATIVE_METHOD[cfg.engine_options.speculative_algorithm]}
             if cfg.engine_options.speculative_num_steps is not None:

@@ -3,8 +3,9 @@
 A scheduler (Slurm, Kubernetes, a Celery worker started with a mask) hands a worker its GPUs in
 ``CUDA_VISIBLE_DEVICES``, as indices or UUIDs (``GPU-...``, ``MIG-...``); ``nvidia-smi`` lists
 every GPU of the machine whatever the mask, so it is asked only when there is no mask. Each
-server gets one entry of that list, written back into its own ``CUDA_VISIBLE_DEVICES`` as the
-mask spelled it, so a server never lands on a GPU the worker was not given.
+server gets ``tp_size x dp_size`` consecutive entries of that list, written back into its own
+``CUDA_VISIBLE_DEVICES`` as the mask spelled them, so a server never lands on a GPU the worker was
+not given.
 """
 
 from __future__ import annotations
@@ -14,8 +15,13 @@ import shutil
 import subprocess
 
 from regen.config import RunConfig
+from regen.errors import RegenError
 
 NO_DEVICE = ("", "-1", "NoDevFiles", "none")
+
+
+class GpuLayoutError(RegenError, ValueError):
+    """Servers this worker's GPUs cannot hold; the message names the layout and the GPUs."""
 
 
 def detect_gpus() -> list[str]:
@@ -36,19 +42,35 @@ def detect_gpus() -> list[str]:
     return [line.strip() for line in out.split() if line.strip().isdigit()]
 
 
-def server_slots(cfg: RunConfig) -> list[str | None]:
-    """One entry per server: its GPU as CUDA_VISIBLE_DEVICES names it, or None for a CPU server.
-    ``gpus`` selects among the GPUs this worker was given, by position (without a mask the
-    position is nvidia-smi's index)."""
+def gpus_per_server(cfg: RunConfig) -> int:
+    """tp_size x dp_size: the GPUs one server is launched on."""
+    return cfg.engine_options.tp_size * cfg.engine_options.dp_size
+
+
+def server_devices(cfg: RunConfig) -> list[str | None]:
+    """One entry per server: its ``CUDA_VISIBLE_DEVICES`` (its tp_size x dp_size GPUs, comma-joined,
+    server i the i-th group), or None for a CPU server. ``gpus`` selects among the GPUs this worker
+    was given, by position (without a mask the position is nvidia-smi's index)."""
     if cfg.engine == "sim" and not cfg.servers.gpus:
         return [None] * cfg.servers.num_servers
     visible = detect_gpus()
+    chosen = list(visible)
     if cfg.servers.gpus:
         if not visible:  # no GPU to check against (a CPU machine, the simulator): as configured
-            return [str(g) for g in cfg.servers.gpus]
-        missing = [g for g in cfg.servers.gpus if g >= len(visible)]
-        if missing:
-            raise ValueError(f"gpus {list(cfg.servers.gpus)}: this worker was given {len(visible)} GPU(s) "
-                             f"({','.join(visible)}); no GPU at position(s) {missing}")
-        return [visible[g] for g in cfg.servers.gpus]
-    return list(visible) if visible else [None] * cfg.servers.num_servers
+            chosen = [str(g) for g in cfg.servers.gpus]
+        else:
+            missing = [g for g in cfg.servers.gpus if g >= len(visible)]
+            if missing:
+                raise GpuLayoutError(f"gpus {list(cfg.servers.gpus)}: this worker was given {len(visible)} GPU(s) "
+                                 f"({','.join(visible)}); no GPU at position(s) {missing}")
+            chosen = [visible[g] for g in cfg.servers.gpus]
+    if not chosen:
+        return [None] * cfg.servers.num_servers
+    per = gpus_per_server(cfg)
+    if len(chosen) % per:
+        layout = f"tp_size {cfg.engine_options.tp_size} x dp_size {cfg.engine_options.dp_size}"
+        raise GpuLayoutError(
+            f"{layout} = {per} GPUs per server: the {len(chosen)} GPU(s) {','.join(chosen)} "
+            + ("cannot hold one server" if len(chosen) < per else f"leave {len(chosen) % per} unused")
+            + f"; list a multiple of {per} in gpus, or change tp_size/dp_size")
+    return [",".join(chosen[i:i + per]) for i in range(0, len(chosen), per)]

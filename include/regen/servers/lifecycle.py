@@ -20,21 +20,21 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import httpx2
 
 from regen import procs
 from regen.config import RunConfig
-from regen.coordination import FileLock
+from regen.coordination import FileLock, Lease
 from regen.engines import engine
 from regen.errors import RegenError
 from regen.files import atomic_write_json, read_json
 from regen.layout import RunLayout
 from regen.manifest import Manifest, model_fingerprint
 from regen.machine import node_name
-from regen.servers.gpus import server_slots
-from regen.results import ServerLogs, ServersStopped, ServersUp
+from regen.servers.gpus import server_devices
+from regen.results import PlannedServer, ServerLogs, ServerPlan, ServersStopped, ServersUp
 from regen.servers.records import KEY_PLACEHOLDER, ServerRecord, read_state, write_state
 
 log = logging.getLogger("regen.servers")
@@ -101,10 +101,18 @@ def launch_args(cfg: RunConfig, model_path: str, port: int, api_key: str | None)
     return build_command(cfg, model_path, port, KEY_PLACEHOLDER if api_key else None)
 
 
+def plan(cfg: RunConfig, model_path: str | None = None) -> ServerPlan:
+    """What start_servers would launch on this node, started nowhere: each server's port, GPUs
+    and argv (every server gets a key: shown as a placeholder)."""
+    model_path = model_path or cfg.model_path
+    return ServerPlan(servers=[
+        PlannedServer(index=index, port=cfg.servers.base_port + index, cuda_visible_devices=devices,
+                      argv=launch_args(cfg, model_path, cfg.servers.base_port + index, KEY_PLACEHOLDER))
+        for index, devices in enumerate(server_devices(cfg))])
+
+
 def mismatch(record: ServerRecord, cfg: RunConfig, model_path: str, fingerprint: str | None) -> str | None:
     """Why a recorded server cannot serve this config (None when it can)."""
-    if record.node and record.node != node_name():
-        return f"it runs on node {record.node}, not {node_name()}"
     if record.model_fingerprint != fingerprint:
         return (f"it serves model {record.model_fingerprint} ({record.model_path}), this run "
                 f"{fingerprint} ({model_path})")
@@ -123,10 +131,10 @@ def start_servers(cfg: RunConfig, model_path: str, run_id: str = "cli",
     layout = cfg.layout
     fingerprint = fingerprint or model_fingerprint(model_path)
     with node_lock(layout):
-        previous = {r.index: r for r in read_state(layout)}
+        previous = {r.index: r for r in refuse_other_nodes(read_state(layout))}
         records: list[ServerRecord] = []
-        to_launch: list[tuple[int, int | None, int]] = []
-        for index, gpu in enumerate(server_slots(cfg)):
+        to_launch: list[tuple[int, str | None, int]] = []
+        for index, gpu in enumerate(server_devices(cfg)):
             port = cfg.servers.base_port + index
             old = previous.pop(index, None)
             if old is not None and old.port == port and old.running():
@@ -156,7 +164,10 @@ def start_servers(cfg: RunConfig, model_path: str, run_id: str = "cli",
                 f"port{'s' if len(taken) > 1 else ''} {', '.join(map(str, taken))} on {cfg.servers.host} "
                 f"already in use: stop what holds {'them' if len(taken) > 1 else 'it'} or change base_port")
         api_key = cfg.servers.api_key or (records[0].api_key if records else None) or secrets.token_hex(24)
-        launched = _launch(cfg, layout, model_path, fingerprint, run_id, api_key, to_launch, records)
+        # The lease keeps the watchdog from idling the servers out while they load (minutes); if
+        # this process dies meanwhile, the lease dies with it and the watchdog stops them.
+        with Lease(layout, "start-servers", run_id) as lease:
+            launched = _launch(cfg, layout, model_path, fingerprint, run_id, api_key, to_launch, records, lease)
         ensure_watchdog(layout, cfg.servers.idle_shutdown_s)
     return launched
 
@@ -165,7 +176,7 @@ def relaunch(layout: RunLayout, index: int) -> ServerRecord | None:
     """Start a recorded server again in place (same port, arguments, key), if it is still dead."""
     with node_lock(layout):
         records = read_state(layout)
-        record = next((r for r in records if r.index == index), None)
+        record = next((r for r in refuse_other_nodes(records) if r.index == index), None)
         if record is None or record.running() or procs.session_pids(record.pid):
             return record
         argv = [record.api_key if arg == KEY_PLACEHOLDER else arg for arg in record.launch or []]
@@ -202,8 +213,8 @@ def stop_watchdog(layout: RunLayout) -> None:
 
 
 def _launch(cfg: RunConfig, layout: RunLayout, model_path: str, fingerprint: str | None, run_id: str,
-            api_key: str, to_launch: list[tuple[int, int | None, int]],
-            records: list[ServerRecord]) -> list[ServerRecord]:
+            api_key: str, to_launch: list[tuple[int, str | None, int]],
+            records: list[ServerRecord], lease: Lease) -> list[ServerRecord]:
     started: list[tuple[ServerRecord, subprocess.Popen]] = []
     try:
         for index, gpu, port in to_launch:
@@ -221,7 +232,8 @@ def _launch(cfg: RunConfig, layout: RunLayout, model_path: str, fingerprint: str
             records.append(record)
         records.sort(key=lambda r: r.index)
         write_state(layout, records)
-        wait_healthy(started, cfg.servers.startup_timeout_s)
+        ensure_watchdog(layout, cfg.servers.idle_shutdown_s)  # from the first record: nothing unwatched
+        wait_healthy(started, cfg.servers.startup_timeout_s, lease.renew)
         for record, _ in started:
             record.served_model = served_model_name(record)
         write_state(layout, records)
@@ -241,8 +253,10 @@ def served_model_name(record: ServerRecord) -> str | None:
         return None
 
 
-def wait_healthy(launched: list[tuple[ServerRecord, subprocess.Popen]], timeout_s: float) -> None:
-    """Ready means /health 200. A process that exits while starting fails at once, with its log."""
+def wait_healthy(launched: list[tuple[ServerRecord, subprocess.Popen]], timeout_s: float,
+                 waiting: Callable[[], None] = lambda: None) -> None:
+    """Ready means /health 200. A process that exits while starting fails at once, with its log.
+    ``waiting`` is called at every poll (the caller renews its lease)."""
     deadline = time.monotonic() + timeout_s
     pending = list(launched)
     started = time.monotonic()
@@ -264,6 +278,7 @@ def wait_healthy(launched: list[tuple[ServerRecord, subprocess.Popen]], timeout_
                 f"last lines of {pending[0][0].log_path}:\n{log_tail(pending[0][0].log_path)}"
             )
         if pending:
+            waiting()
             time.sleep(0.25)
 
 
@@ -295,7 +310,7 @@ def stop_servers(layout: RunLayout, run_id: str = "cli", every: bool = False,
     with node_lock(layout):
         records = read_state(layout)
         # A PID means nothing on another machine: servers recorded there are its teardown's.
-        here = [r for r in records if not r.node or r.node == node_name()]
+        here = [r for r in records if r.is_here()]
         mine = [r for r in here if every or r.owner == run_id or not r.running()]
         others = [r for r in records if r not in mine]
         problems = stop_records(mine, grace_s)
@@ -311,6 +326,19 @@ def stop_servers(layout: RunLayout, run_id: str = "cli", every: bool = False,
     return stopped, others
 
 
+def refuse_other_nodes(records: list[ServerRecord]) -> list[ServerRecord]:
+    """``records`` when they are this machine's; ServerError naming both machines when any is
+    another node's (a task that landed on the wrong worker: it must signal, start and record
+    nothing here, or that node's servers would end up recorded nowhere)."""
+    elsewhere = sorted({r.node for r in records if not r.is_here()})
+    if elsewhere:
+        raise ServerError(
+            f"this output's servers run on node {', '.join(elsewhere)}; this task runs on {node_name()}, "
+            f"which touches none of them: send the run's tasks to that node's own queue (config `queue`, "
+            f"or nodes.N.queue), or stop them there (`regen serve --stop --every` on {elsewhere[0]})")
+    return records
+
+
 def recorded(cfg: RunConfig) -> list[ServerRecord]:
     """The servers start_servers recorded for this output, on this node; a clear message when
     there are none, or when they run on another node."""
@@ -322,11 +350,7 @@ def recorded(cfg: RunConfig) -> list[ServerRecord]:
             f"or stop_servers already ran. Clear the run from start_servers (untick 'only failed'), "
             f"or start them with `regen serve --config ...`"
         )
-    elsewhere = sorted({r.node for r in records if r.node and r.node != node_name()})
-    if elsewhere:
-        raise ServerError(f"this output's servers run on node {', '.join(elsewhere)}; this task runs on "
-                          f"{node_name()}: route the run's tasks to that node's queue")
-    return records
+    return refuse_other_nodes(records)
 
 
 # --- the stages ---------------------------------------------------------------------------------

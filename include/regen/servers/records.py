@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from regen import procs
+from regen.machine import node_name
 from regen.files import atomic_write_json
 from regen.layout import RunLayout
 
@@ -46,7 +47,16 @@ class ServerRecord:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
         return f"http://{host}:{self.port}"
 
+    def is_here(self) -> bool:
+        """Recorded on this machine: a PID means nothing elsewhere (``/proc`` is local), so a
+        record of another node is never signalled, relaunched or overwritten from here."""
+        return not self.node or self.node == node_name()
+
     def running(self) -> bool:
+        """This machine's record of a live process; another node's is never judged from here."""
+        if not self.is_here():
+            raise ValueError(f"server {self.index} runs on node {self.node}: its process cannot be "
+                             f"checked from {node_name()}")
         return procs.is_running(self.pid, self.start_ticks)
 
     def public(self) -> dict:

@@ -38,9 +38,12 @@ def watch(layout: RunLayout, idle_shutdown_s: float | None, poll_s: float = 1.0)
     last_active = time.monotonic()
     restarts: dict[int, tuple[int, float]] = {}  # server index -> (restarts so far, not before)
     while True:
-        records = read_state(layout)
-        if not records:
+        recorded = read_state(layout)
+        if not recorded:
             return "no server recorded any more"
+        records = [r for r in recorded if r.is_here()]
+        if not records:  # started on a node that is not this one: nothing here to watch
+            return f"the servers are recorded on node {', '.join(sorted({r.node for r in recorded}))}"
         now = time.monotonic()
         if live_leases(layout):
             last_active = now

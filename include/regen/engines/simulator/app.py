@@ -33,7 +33,7 @@ class SimServer:
         self.state = SimState()
         self.tokens = SimTokens(settings.model_path) if settings.model_path else None
         self.effective = settings.effective_max_running_requests or settings.max_running_requests or 64
-        self.scheduler = BatchScheduler(settings, self.effective, self.state)
+        self.scheduler = BatchScheduler(settings, self.effective * settings.dp_size, self.state)
         self.failures = random.Random(settings.seed ^ 0x5EED)
 
     def app(self) -> Starlette:
@@ -70,8 +70,9 @@ class SimServer:
         s = self.settings
         args = {"model_path": s.model_path or "sim", "served_model_name": s.served_name,
                 "context_length": s.context_length, "max_running_requests": s.max_running_requests,
-                "speculative_algorithm": s.speculative_algorithm, "reasoning_parser": s.reasoning_parser}
-        return JSONResponse(server_info(args, {
+                "speculative_algorithm": s.speculative_algorithm, "reasoning_parser": s.reasoning_parser,
+                "dp_size": s.dp_size}
+        return JSONResponse(server_info(args, s.dp_size, {
             "effective_max_running_requests_per_dp": self.effective,
             "last_gen_throughput": self.state.throughput(),
             "sim_waited_requests_total": self.state.waited_total,

@@ -27,6 +27,8 @@ class SimSettings:
     speculative_algorithm: str | None = _flag("--speculative-algorithm")
     reasoning_parser: str | None = _flag("--reasoning-parser")
     seed: int = _flag("--random-seed", default=0)
+    dp_size: int = _flag("--dp-size", "data parallel ranks: each runs up to the per-rank limit, and "
+                         "/server_info reports one internal state per rank, as SGLang", 1)
     effective_max_running_requests: int | None = _flag(
         "--sim-effective-max-running-requests", "run and report fewer requests than "
         "--max-running-requests, as SGLang does on hybrid Mamba models (issue 38846)")
@@ -64,7 +66,7 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--enable-metrics", action="store_true", help="accepted; metrics are always on")
-    for flag in ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",
+    for flag in ("--tp-size", "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",
                  "--mem-fraction-static", "--max-mamba-cache-size"):
         p.add_argument(flag, default=None, help="accepted for SGLang parity; no effect")
     for f in fields(SimSettings):
