@@ -39,13 +39,16 @@ demo: setup
 	  || { tail -40 $(VAR)/demo.log; exit 1; }
 	$(VENV)/bin/regen summary --config demo/config.yaml
 
-# Debian packages the tests need: openssh-server (a real sshd on loopback for the SSH-node tests)
-# and chromium (the run-page test). About a minute the first time on a fresh machine.
+# Debian packages the tests need: openssh-server (a real sshd on loopback for the SSH-node tests),
+# chromium (the run-page test), postgresql and redis-server (the Celery test uses the machine's
+# own on 5432/6379 when they answer, else starts private ones from these binaries on free ports).
+# About a minute the first time on a fresh machine.
 system:
-	@mkdir -p $(VAR); if [ ! -x /usr/sbin/sshd ] || [ ! -x /usr/bin/chromium ]; then \
-	  echo "Installing openssh-server and chromium (Debian) for the tests ..."; \
+	@mkdir -p $(VAR); if [ ! -x /usr/sbin/sshd ] || [ ! -x /usr/bin/chromium ] \
+	  || ! ls /usr/lib/postgresql/*/bin/postgres > /dev/null 2>&1 || ! command -v redis-server > /dev/null; then \
+	  echo "Installing openssh-server, chromium, postgresql and redis-server (Debian) for the tests ..."; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq \
-	    openssh-server chromium > $(VAR)/apt.log 2>&1 || { tail -20 $(VAR)/apt.log; exit 1; }; \
+	    openssh-server chromium postgresql redis-server > $(VAR)/apt.log 2>&1 || { tail -20 $(VAR)/apt.log; exit 1; }; \
 	fi
 
 # SGLang's own argument parser, to check regen's launch command (SGLang cannot serve on a CPU,

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import uuid
 from pathlib import Path
 
 import httpx
@@ -31,30 +30,27 @@ from support.airflow import AirflowProcesses, airflow_env, trigger_run, wait_run
 from support.data import read_ids
 from support.paths import BIN, ROOT
 from support.processes import free_port_base, wait_until
-
-PG = "postgresql+psycopg2://postgres@127.0.0.1:5432"
-
-
-def psql(sql: str) -> None:
-    subprocess.run(["psql", "-h", "127.0.0.1", "-U", "postgres", "-c", sql], check=True,
-                   capture_output=True)
-
+from support.services import Services, services
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     home = tmp_path_factory.mktemp("celery")
-    db = f"regen_celery_{uuid.uuid4().hex[:8]}"
-    psql(f"CREATE DATABASE {db}")
+    with services(tmp_path_factory.mktemp("services")) as found:
+        yield from _cluster(home, found)
+
+
+def _cluster(home: Path, found: Services):
+    db = found.new_database()
     port = free_port_base(1)
-    redis_db = str(8 + os.getpid() % 7)
-    subprocess.run(["redis-cli", "-h", "127.0.0.1", "-n", redis_db, "flushdb"], check=True,
-                   capture_output=True)
+    redis_db = 8 + os.getpid() % 7
+    subprocess.run(["redis-cli", "-h", "127.0.0.1", "-p", str(found.redis_port), "-n", str(redis_db), "flushdb"],
+                   check=True, capture_output=True)
     env = airflow_env(
         home, port, PYTHONPATH=str(ROOT / "tests" / "fixtures"),
         AIRFLOW__CORE__EXECUTOR="CeleryExecutor",
-        AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"{PG}/{db}",
-        AIRFLOW__CELERY__BROKER_URL=f"redis://127.0.0.1:6379/{redis_db}",
-        AIRFLOW__CELERY__RESULT_BACKEND=f"db+postgresql+psycopg2://postgres@127.0.0.1:5432/{db}",
+        AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=found.sql_url(db),
+        AIRFLOW__CELERY__BROKER_URL=found.redis_url(redis_db),
+        AIRFLOW__CELERY__RESULT_BACKEND=f"db+{found.sql_url(db)}",
         AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS="True",
         AIRFLOW__CORE__HOSTNAME_CALLABLE="worker_name.hostname",
         AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT="20",
@@ -78,7 +74,27 @@ def cluster(tmp_path_factory):
         yield {"base": base, "procs": cluster.procs, "home": home, "start_worker": start_worker}
     finally:
         cluster.stop()
-        psql(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+        found.psql(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+
+
+def test_a_machine_without_postgres_or_redis_gets_its_own(tmp_path):
+    """The path of a fresh machine (REGEN_TEST_SERVICES=own forces it here): PostgreSQL and Redis
+    from Debian's binaries on ports of their own, a database made, Redis answering, nothing left
+    running afterwards (about 5 s)."""
+    from support.services import own_services
+
+    with own_services(tmp_path) as own:
+        assert own.own and (own.postgres_port, own.redis_port) != (5432, 6379)
+        db = own.new_database()
+        out = subprocess.run(["psql", "-h", "127.0.0.1", "-p", str(own.postgres_port), "-U", "postgres", "-d", db,
+                              "-tAc", "select current_database()"], capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == db
+        ping = subprocess.run(["redis-cli", "-p", str(own.redis_port), "ping"], capture_output=True, text=True)
+        assert ping.stdout.strip() == "PONG"
+        ports = (own.postgres_port, own.redis_port)
+    from support.services import answers
+
+    assert not any(answers(port) for port in ports)
 
 
 def deployment(home: Path) -> Path:

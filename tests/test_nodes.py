@@ -72,3 +72,41 @@ def test_a_trigger_cannot_change_the_dags_nodes(make_config, tmp_path):
     with pytest.raises(PreflightFailed, match=r"nodes \['a', 'b'\] differ from the nodes this DAG was built for \['a'\]"):
         check(cfg, code=False, dag_nodes=["a"])
     assert check(cfg, code=False, dag_nodes=["a", "b"]).shards
+
+
+def test_a_task_on_the_wrong_worker_touches_none_of_the_nodes_servers(make_config, monkeypatch):
+    """Two worker hosts, simulated by two node names on one machine (the PIDs recorded on gpu-a
+    are live here, so any signal from "gpu-b" would show). Everything that runs on gpu-b (a
+    shard, a start, a relaunch, a teardown, the watchdog) fails at once naming both machines or
+    leaves the servers alone: no signal, no record rewritten. gpu-a's own teardown stops them."""
+    from regen.pipeline import run
+    from regen.servers.lifecycle import ServerError, is_healthy, relaunch
+    from regen.servers.watchdog import watch
+
+    cfg = make_config(num_servers=2)
+    layout = cfg.layout
+    monkeypatch.setenv("REGEN_NODE_NAME", "gpu-a")
+    run("preflight", cfg, code=False)
+    records = start_servers(cfg, cfg.model_path, run_id="dag/run-1")
+    state = layout.servers_state.read_bytes()
+
+    monkeypatch.setenv("REGEN_NODE_NAME", "gpu-b")
+    with pytest.raises(ServerError, match="servers run on node gpu-a; this task runs on gpu-b"):
+        run("generate", cfg, shard=0, run_id="dag/run-1")
+    with pytest.raises(ServerError, match="gpu-a.*gpu-b"):
+        start_servers(cfg, cfg.model_path, run_id="dag/run-1")
+    with pytest.raises(ServerError, match="gpu-a.*gpu-b"):
+        relaunch(layout, 0)
+    assert stop_servers(layout, run_id="dag/run-1", every=True)[0] == 0
+    assert "recorded on node gpu-a" in watch(layout, idle_shutdown_s=0.1, poll_s=0.05)
+    assert layout.servers_state.read_bytes() == state
+    assert not list(cfg.layout.data.glob("*.parquet"))
+    for record in records:
+        assert is_healthy(record.url)
+        monkeypatch.setenv("REGEN_NODE_NAME", "gpu-a")
+        assert record.running()
+        monkeypatch.setenv("REGEN_NODE_NAME", "gpu-b")
+
+    monkeypatch.setenv("REGEN_NODE_NAME", "gpu-a")
+    assert stop_servers(layout, run_id="dag/run-1")[0] == 2
+    assert not any(is_healthy(r.url) for r in records)

@@ -15,7 +15,7 @@ args = prepare_server_args(sys.argv[1:])
 keys = ["model_path", "host", "port", "api_key", "enable_metrics", "reasoning_parser",
         "speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
         "speculative_num_draft_tokens", "mem_fraction_static", "max_running_requests",
-        "max_mamba_cache_size", "context_length", "random_seed"]
+        "max_mamba_cache_size", "context_length", "random_seed", "tp_size", "dp_size", "tool_call_parser"]
 print(json.dumps({k: getattr(args, k) for k in keys}))
 """
 
@@ -60,3 +60,47 @@ def test_a_flag_sglang_does_not_know_is_refused_by_its_parser(make_config):
     out = parse(build_command(cfg, "/m", 30000, None))
     assert out.returncode == 2
     assert "unrecognized arguments: --speculative-tree-width" in out.stderr
+
+
+def test_preflight_asks_the_installed_sglang_for_its_names_and_flags(make_config):
+    """SGLang 0.5.23 calls Nemotron 3's parser `nemotron_3` (regen once accepted `nano_v3`, and
+    the launch failed on the GPU node): preflight asks the SGLang that will serve, through
+    engine_python, and refuses what it does not know, listing what it does. One launch check
+    costs about 10 s (SGLang's argument module imports slowly)."""
+    from regen.preflight import check_engine, PreflightReport
+
+    def problems(**fields) -> tuple[list[str], dict]:
+        report = PreflightReport()
+        check_engine(make_config(engine="sglang", engine_python=str(SGLANG_PYTHON), **fields), report)
+        return report.problems, report.info
+
+    refused, info = problems(reasoning_parser="nano_v3", tool_call_parser="qwen3_coder")
+    assert info["engine"] == f"sglang 0.5.23 at {SGLANG_PYTHON}"
+    assert len(refused) == 1 and refused[0].startswith(f"reasoning_parser 'nano_v3': sglang 0.5.23 at {SGLANG_PYTHON} "
+                                                       f"has no such parser (valid: ")
+    assert "nemotron_3" in refused[0] and "deepseek-v4" in refused[0]
+    assert problems(reasoning_parser="nemotron_3", tool_call_parser="qwen3_coder", tp_size=2, dp_size=2)[0] == []
+    flag = problems(extra_server_args=["--speculative-tree-width", "3"])[0]
+    assert len(flag) == 1 and flag[0].startswith(f"the launch command is refused by sglang 0.5.23 at {SGLANG_PYTHON}: ")
+    assert "--speculative-tree-width" in flag[0]
+    tool = problems(tool_call_parser="qwen3-coder")[0]
+    assert len(tool) == 1 and tool[0].startswith("tool_call_parser 'qwen3-coder'") and "qwen3_coder" in tool[0]
+
+
+def test_without_sglang_installed_preflight_says_whose_list_it_used(make_config):
+    """A machine with no SGLang (a CPU worker): the names of the pinned release, said to be that."""
+    from regen.preflight import check_engine, PreflightReport
+
+    report = PreflightReport()
+    check_engine(make_config(engine="sglang", reasoning_parser="nano_v3"), report)
+    assert report.problems and report.problems[0].startswith(
+        "reasoning_parser 'nano_v3': sglang 0.5.23's list (no sglang imports with ")
+    assert "nemotron_3" in report.problems[0]
+
+
+def test_a_tensor_and_data_parallel_launch_parses(make_config):
+    cfg = make_config(engine="sglang", tp_size=2, dp_size=4, tool_call_parser="qwen3_coder")
+    out = parse(build_command(cfg, "/m", 30000, None))
+    assert out.returncode == 0, out.stderr[-2000:]
+    args = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (args["tp_size"], args["dp_size"], args["tool_call_parser"]) == (2, 4, "qwen3_coder")

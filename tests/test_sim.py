@@ -136,3 +136,28 @@ def test_a_bad_model_path_exits_with_a_message(tmp_path):
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 1
     assert "no config.json" in out.stderr
+
+
+def test_the_readmes_form_serves_generate_without_a_model_directory(tmp_path):
+    """`regen sim --port PORT` as README shows it (no --model-path, so no token ids): `regen
+    generate --endpoints` against it writes every row."""
+    import pandas as pd
+
+    from support.data import write_prompts
+
+    port = free_port_base(1)
+    proc = subprocess.Popen([str(BIN / "regen"), "sim", "--port", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: not port_is_free("127.0.0.1", port), timeout=30)
+        prompts = write_prompts(tmp_path / "p.jsonl", 6)
+        out = subprocess.run([str(BIN / "regen"), "--no-progress-bar", "generate", "--prompts", str(prompts),
+                              "--endpoints", url, "--output", str(tmp_path / "out"), "--num-shards", "1"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        rows = pd.read_parquet(tmp_path / "out" / "data")
+        assert len(rows) == 6 and rows["error"].isna().all()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -245,12 +245,28 @@ def check_model(cfg: RunConfig, report: PreflightReport) -> None:
 
 
 def check_engine(cfg: RunConfig, report: PreflightReport) -> None:
+    """Parser names and launch flags as the engine installed here (``engine_python``) knows
+    them: preflight passing must mean the launch on the GPU node parses."""
+    from regen.engines.installed import ask_engine
+    from regen.servers.lifecycle import launch_args
+    from regen.servers.records import KEY_PLACEHOLDER
+
     adapter = engine(cfg.engine)
-    parsers = adapter.reasoning_parsers
-    if cfg.engine_options.reasoning_parser and cfg.engine_options.reasoning_parser not in parsers:
-        report.problems.append(
-            f"reasoning_parser {cfg.engine_options.reasoning_parser!r}: engine {cfg.engine} has no such parser "
-            f"(known: {', '.join(sorted(parsers))})")
+    if cfg.engine != "sim" and cfg.servers.engine_python and not Path(cfg.servers.engine_python).is_file():
+        report.problems.append(f"engine_python {cfg.servers.engine_python}: not found")
+        return
+    installed = ask_engine(cfg, launch_args(cfg, cfg.model_path, cfg.servers.base_port, KEY_PLACEHOLDER))
+    report.info["engine"] = installed.source
+    named = False
+    for field, known in (("reasoning_parser", installed.reasoning_parsers),
+                         ("tool_call_parser", installed.tool_call_parsers)):
+        value = cfg.flat_value(field)
+        if value and value not in known:
+            named = True
+            report.problems.append(f"{field} {value!r}: {installed.source} has no such parser "
+                                   f"(valid: {', '.join(sorted(known))})")
+    if installed.launch_error and not named:
+        report.problems.append(f"the launch command is refused by {installed.source}: {installed.launch_error}")
     if cfg.enable_thinking and not cfg.engine_options.reasoning_parser:
         report.problems.append("reasoning_parser: empty while enable_thinking is on; the thinking "
                                "trace would stay inside content")
@@ -263,8 +279,6 @@ def check_engine(cfg: RunConfig, report: PreflightReport) -> None:
         report.problems.append(
             f"concurrency_per_server {cfg.generation.concurrency_per_server} is above max_running_requests "
             f"{cfg.engine_options.max_running_requests}: the extra requests would only queue")
-    if cfg.engine != "sim" and cfg.servers.engine_python and not Path(cfg.servers.engine_python).is_file():
-        report.problems.append(f"engine_python {cfg.servers.engine_python}: not found")
 
 
 def check_space(cfg: RunConfig, report: PreflightReport) -> None:

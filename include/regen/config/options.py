@@ -118,6 +118,10 @@ class EngineOptions(Options):
         "qwen3", title="Reasoning parser",
         description="`--reasoning-parser` of the engine; splits the thinking trace into "
         "`reasoning_content`.")
+    tool_call_parser: str | None = Field(
+        None, title="Tool-call parser",
+        description="`--tool-call-parser` of the engine (e.g. qwen25, qwen3_coder, hermes); checked "
+        "against the engine installed on the node. Empty: none.")
     speculative_algorithm: SpeculativeAlgorithm | None = Field(
         None, title="Speculative algorithm",
         description="SGLang `--speculative-algorithm` (NEXTN is an alias of EAGLE, used for MTP).")
@@ -140,7 +144,7 @@ class EngineOptions(Options):
         None, ge=16, title="Context length",
         description="Override of the model's context length (`--context-length`).")
 
-    @field_validator("reasoning_parser")
+    @field_validator("reasoning_parser", "tool_call_parser")
     @classmethod
     def _parser_name(cls, value: str | None) -> str | None:
         if value is not None and not re.fullmatch(r"[A-Za-z0-9_\-]+", value):

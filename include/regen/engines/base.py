@@ -25,8 +25,12 @@ def parallel_flags(cfg: RunConfig, tp_flag: str, dp_flag: str) -> list[str]:
 
 class Engine:
     name: ClassVar[str]
-    # `--reasoning-parser` values the engine knows.
+    # The release whose parser names are listed below (requirements-*.txt pins it).
+    version: ClassVar[str] = ""
+    # `--reasoning-parser` and `--tool-call-parser` values that release knows; preflight asks the
+    # engine installed on the node instead, where there is one (regen.engines.launch_check).
     reasoning_parsers: ClassVar[frozenset[str]]
+    tool_call_parsers: ClassVar[frozenset[str]] = frozenset()
     # RunConfig fields the engine has no equivalent for: a set value would be silently ignored.
     ignored_options: ClassVar[tuple[str, ...]] = ()
     # Where the message of a chat completion carries the thinking trace, first found wins.

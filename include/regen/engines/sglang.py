@@ -8,9 +8,21 @@ from regen.engines.base import Engine, flag, parallel_flags
 
 class SGLang(Engine):
     name = "sglang"
+    version = "0.5.23"  # requirements-gpu.txt: the names below are this release's
+    # Used only where the node has no SGLang to ask (preflight asks the installed one first).
     reasoning_parsers = frozenset({
-        "qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "glm45", "kimi", "kimi_k2",
-        "gpt-oss", "step3", "minimax", "minimax-append-think", "nano_v3", "interns1"})
+        "apertus2509", "beam", "cohere_command4", "deepseek-r1", "deepseek-v3", "deepseek-v4", "deepseek-v41",
+        "dots", "gemma4", "gigachat35", "glm45", "gpt-oss", "granite_thinking_parser", "hunyuan", "inkling",
+        "interns1", "iquest_q1", "k2_horizon", "kimi", "kimi_k2", "kimi_k3", "ling3", "mimo", "minimax",
+        "minimax-append-think", "minimax-m3", "mistral", "muse", "nanbeige", "nemotron_3", "poolside_v1",
+        "qwen3", "qwen3-thinking", "response_template", "step3", "step3p5"})
+    tool_call_parsers = frozenset({
+        "apertus2509", "beam", "cohere_command4", "deepseekv3", "deepseekv31", "deepseekv32", "deepseekv4",
+        "deepseekv41", "dots", "gemma4", "gigachat3", "gigachat35", "glm", "glm45", "glm47", "gpt-oss", "hermes",
+        "hunyuan", "inkling", "interns1", "iquest_q1", "k2_horizon", "kimi_k2", "kimi_k3", "lfm2", "ling3",
+        "llama3", "mimo", "minicpm5", "minimax-m2", "minimax-m3", "mistral", "muse", "nanbeige", "poolside_v1",
+        "pythonic", "qwen", "qwen25", "qwen3_coder", "response_template", "spark25", "step3", "step3p5",
+        "trinity"})
     info_paths = ("/server_info", "/get_server_info")
     metric_prefix = "sglang"
     metric_names = {"num_running_reqs": "running", "num_queue_reqs": "queued",
@@ -28,6 +40,7 @@ class SGLang(Engine):
         argv += ["--model-path", model_path, "--host", cfg.servers.host, "--port", str(port), "--enable-metrics"]
         argv += flag("--api-key", api_key)
         argv += flag("--reasoning-parser", cfg.engine_options.reasoning_parser)
+        argv += flag("--tool-call-parser", cfg.engine_options.tool_call_parser)
         argv += flag("--speculative-algorithm", cfg.engine_options.speculative_algorithm)
         argv += flag("--speculative-num-steps", cfg.engine_options.speculative_num_steps)
         argv += flag("--speculative-eagle-topk", cfg.engine_options.speculative_eagle_topk)

@@ -13,7 +13,9 @@ from regen.engines.simulator.settings import to_argv
 
 class Simulator(SGLang):
     name = "sim"
+    version = ""
     reasoning_parsers = frozenset({"qwen3", "qwen3-thinking", "deepseek-r1"})
+    tool_call_parsers = frozenset({"qwen25", "qwen3_coder", "hermes"})
 
     def module_argv(self, cfg: RunConfig) -> list[str]:
         # Always regen's own interpreter: the simulator is part of regen.

@@ -35,6 +35,8 @@ class VLLM(Engine):
                 "--host", cfg.servers.host, "--port", str(port)]
         argv += flag("--api-key", api_key)
         argv += flag("--reasoning-parser", cfg.engine_options.reasoning_parser)
+        if cfg.engine_options.tool_call_parser:  # vLLM parses tool calls only with auto tool choice on
+            argv += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.engine_options.tool_call_parser]
         argv += flag("--max-num-seqs", cfg.engine_options.max_running_requests)
         argv += flag("--gpu-memory-utilization", cfg.engine_options.mem_fraction_static)
         argv += flag("--max-model-len", cfg.engine_options.context_length)

@@ -66,7 +66,7 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--enable-metrics", action="store_true", help="accepted; metrics are always on")
-    for flag in ("--tp-size", "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",
+    for flag in ("--tp-size", "--tool-call-parser", "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",
                  "--mem-fraction-static", "--max-mamba-cache-size"):
         p.add_argument(flag, default=None, help="accepted for SGLang parity; no effect")
     for f in fields(SimSettings):
