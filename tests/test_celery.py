@@ -32,6 +32,7 @@ from support.paths import BIN, ROOT
 from support.processes import free_port_base, wait_until
 from support.services import Services, services
 
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     home = tmp_path_factory.mktemp("celery")

@@ -18,7 +18,7 @@ import yaml
 
 from regen.layout import RunLayout
 from regen.pipeline import run
-from regen.servers.lifecycle import ServerError, start_servers, stop_records
+from regen.servers.lifecycle import start_servers, stop_records
 from regen.servers.records import read_state
 from support.airflow import trigger_run, wait_run
 from support.data import read_ids, write_prompts
@@ -41,7 +41,8 @@ def test_a_data_parallel_servers_budget_is_its_ranks_times_the_per_rank_limit(si
 
     cfg, records = sim_servers(num_servers=1, dp_size=2, concurrency_per_server=None, extra_server_args=SGLANG_MAMBA)
     info = httpx.get(f"{records[0].url}/server_info").json()
-    assert info["dp_size"] == 2 and [s["effective_max_running_requests_per_dp"] for s in info["internal_states"]] == [8, 8]
+    per_rank = [s["effective_max_running_requests_per_dp"] for s in info["internal_states"]]
+    assert info["dp_size"] == 2 and per_rank == [8, 8]
     endpoint = asyncio.run(discover(records[0].url, records[0].api_key, cfg, ClientTuning()))
     assert endpoint.size == 2 * 8 + cfg.generation.queue_margin
 

@@ -258,12 +258,12 @@ def check_engine(cfg: RunConfig, report: PreflightReport) -> None:
     installed = ask_engine(cfg, launch_args(cfg, cfg.model_path, cfg.servers.base_port, KEY_PLACEHOLDER))
     report.info["engine"] = installed.source
     named = False
-    for field, known in (("reasoning_parser", installed.reasoning_parsers),
-                         ("tool_call_parser", installed.tool_call_parsers)):
-        value = cfg.flat_value(field)
+    for option, known in (("reasoning_parser", installed.reasoning_parsers),
+                          ("tool_call_parser", installed.tool_call_parsers)):
+        value = cfg.flat_value(option)
         if value and value not in known:
             named = True
-            report.problems.append(f"{field} {value!r}: {installed.source} has no such parser "
+            report.problems.append(f"{option} {value!r}: {installed.source} has no such parser "
                                    f"(valid: {', '.join(sorted(known))})")
     if installed.launch_error and not named:
         report.problems.append(f"the launch command is refused by {installed.source}: {installed.launch_error}")

@@ -13,14 +13,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from regen.chat.templates import TRAIN_TEMPLATES, UNSUPPORTED
 from regen.config.fields import ConfigError, flat_fields, flat_location, flatten, format_validation_error, nest
 from regen.config.nodes import NodeSpec
-from regen.config.options import (AuditOptions, CanaryOptions, EngineOptions, GenerationOptions,
-                                  SamplingOptions, ServerOptions, SimulatorOptions, plain_path)
+from regen.config.options import (
+    AuditOptions,
+    CanaryOptions,
+    EngineOptions,
+    GenerationOptions,
+    SamplingOptions,
+    ServerOptions,
+    SimulatorOptions,
+    plain_path,
+)
 from regen.layout import RunLayout
 from regen.paths import DEMO_MODEL, DEMO_PROMPTS, PROJECT_ROOT, VAR_DIR
 

@@ -37,7 +37,10 @@ def sglang(argv: list[str]) -> dict:
 
 def vllm(argv: list[str]) -> dict:
     import vllm as package
-    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+    try:  # where the OpenAI server's parser lives since vLLM 0.2x (api_server's main imports it)
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    except ImportError:
+        from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.reasoning import ReasoningParserManager
     from vllm.tool_parsers import ToolParserManager
     from vllm.utils.argparse_utils import FlexibleArgumentParser

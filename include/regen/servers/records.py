@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Sequence
 
 from regen import procs
-from regen.machine import node_name
 from regen.files import atomic_write_json
 from regen.layout import RunLayout
-
+from regen.machine import node_name
 
 KEY_PLACEHOLDER = "<api-key>"
 

@@ -1,4 +1,4 @@
-"""regen's SGLang launch command, parsed by SGLang's own argument parser (no GPU needed)."""
+"""regen's launch commands and parser names, judged by SGLang's and vLLM's own parsers (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import subprocess
 
 from regen.servers.lifecycle import build_command
-from support.engines import SGLANG_PYTHON
+from support.engines import SGLANG_PYTHON, VLLM_PYTHON
 
 PARSE = """
 import json, sys
@@ -67,7 +67,7 @@ def test_preflight_asks_the_installed_sglang_for_its_names_and_flags(make_config
     the launch failed on the GPU node): preflight asks the SGLang that will serve, through
     engine_python, and refuses what it does not know, listing what it does. One launch check
     costs about 10 s (SGLang's argument module imports slowly)."""
-    from regen.preflight import check_engine, PreflightReport
+    from regen.preflight import PreflightReport, check_engine
 
     def problems(**fields) -> tuple[list[str], dict]:
         report = PreflightReport()
@@ -89,7 +89,7 @@ def test_preflight_asks_the_installed_sglang_for_its_names_and_flags(make_config
 
 def test_without_sglang_installed_preflight_says_whose_list_it_used(make_config):
     """A machine with no SGLang (a CPU worker): the names of the pinned release, said to be that."""
-    from regen.preflight import check_engine, PreflightReport
+    from regen.preflight import PreflightReport, check_engine
 
     report = PreflightReport()
     check_engine(make_config(engine="sglang", reasoning_parser="nano_v3"), report)
@@ -104,3 +104,35 @@ def test_a_tensor_and_data_parallel_launch_parses(make_config):
     assert out.returncode == 0, out.stderr[-2000:]
     args = json.loads(out.stdout.strip().splitlines()[-1])
     assert (args["tp_size"], args["dp_size"], args["tool_call_parser"]) == (2, 4, "qwen3_coder")
+
+
+def test_vllms_own_parser_takes_regens_vllm_commands(make_config):
+    """vLLM 0.32's OpenAI server parser (make_arg_parser + validate_parsed_serve_args, what its
+    api_server runs first) on regen's vLLM launch lines: plain, speculative, tensor and data
+    parallel, with a tool-call parser. About 30 s (vLLM imports slowly)."""
+    from regen.engines.installed import ask_engine
+
+    for fields in ({}, {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 3, "max_running_requests": 48,
+                        "mem_fraction_static": 0.8, "context_length": 4096, "seed": 3},
+                   {"tp_size": 2, "dp_size": 2, "tool_call_parser": "hermes"}):
+        cfg = make_config(engine="vllm", engine_python=str(VLLM_PYTHON), **fields)
+        argv = build_command(cfg, "/dev/shm/regen/Qwen3-8B", 30000, "k" * 48)
+        assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+        installed = ask_engine(cfg, argv)
+        assert installed.source == f"vllm 0.32.0 at {VLLM_PYTHON}"
+        assert installed.launch_error is None, (fields, installed.launch_error)
+
+
+def test_preflight_asks_the_installed_vllm_for_its_names(make_config):
+    """vLLM calls gpt-oss's reasoning parser `openai_gptoss` (regen once accepted `gpt_oss`)."""
+    from regen.preflight import PreflightReport, check_engine
+
+    report = PreflightReport()
+    check_engine(make_config(engine="vllm", engine_python=str(VLLM_PYTHON), reasoning_parser="gpt_oss"), report)
+    assert len(report.problems) == 1
+    assert report.problems[0].startswith(f"reasoning_parser 'gpt_oss': vllm 0.32.0 at {VLLM_PYTHON} has no such parser")
+    assert "openai_gptoss" in report.problems[0]
+    flag = PreflightReport()
+    check_engine(make_config(engine="vllm", engine_python=str(VLLM_PYTHON), extra_server_args=["--no-such-flag"]), flag)
+    assert len(flag.problems) == 1 and "--no-such-flag" in flag.problems[0]
+    assert flag.problems[0].startswith(f"the launch command is refused by vllm 0.32.0 at {VLLM_PYTHON}: ")
