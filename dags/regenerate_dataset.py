@@ -43,9 +43,13 @@ SHARD_RETRIES, SHARD_RETRY_DELAY_S = shard_retries()
 def _run(name: str, params, **kwargs):
     """The stage ``name`` of this run, where regen.pipeline places it; owned by this DAG run
     (its servers), whoever clears or retries it. Imported here: nothing heavy at parse time."""
+    from airflow.sdk.log import mask_secret
+
     from regen.config import RunConfig
     from regen.pipeline import run
 
+    if params.get("api_key"):  # Airflow masks no Param by itself: the key is redacted from task logs
+        mask_secret(params["api_key"], "api_key")
     context = get_current_context()
     return run(name, RunConfig.from_mapping(dict(params), source="params"),
                run_id=f"{context['dag'].dag_id}/{context['run_id']}", **kwargs)

@@ -36,6 +36,19 @@ def test_bad_values_are_refused_naming_the_field(field, value, words):
     assert words in message
 
 
+@pytest.mark.parametrize("data", [
+    {"api_key": "bad key, not allowed"},  # the key itself refused
+    {"api_key": "a-good-key-1234", "nodes": [{"name": "a"}, {"name": "a"}]},  # an error of the whole config
+    {"servers": {"api_key": "a-good-key-1234"}, "queue": "q", "nodes": [{"name": "a"}]},
+])
+def test_a_key_is_never_repeated_in_an_error(data):
+    """The error goes to task logs, alerts and import errors: it names what is wrong, never the key."""
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_mapping(data, source="run.yaml")
+    key = data.get("api_key") or data["servers"]["api_key"]
+    assert key not in str(err.value) and str(err.value).startswith("run.yaml: field ")
+
+
 def test_every_error_is_listed_not_just_the_first():
     with pytest.raises(ConfigError) as err:
         RunConfig.from_mapping({"max_tokens": 0, "top_p": 3, "num_shards": 0})

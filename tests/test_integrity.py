@@ -28,6 +28,7 @@ from regen.servers.records import read_state
 from regen.store import Journal
 from support.data import FAST, cli, settle, turn_requests, write_prompts
 from support.engines import sim_requests_total
+from support.paths import BIN
 from support.processes import wait_until
 
 
@@ -280,3 +281,17 @@ def test_the_audit_fails_rows_this_run_did_not_produce(sim_servers, tmp_path):
     assert doc["counts"]["foreign_settings"] == sum(n for h, n in files.items() if h != run_hash)
     assert doc["counts"]["stale_prompt"] == 1
     assert "NOT THIS RUN'S" in doc["summary"][3]
+
+
+def test_a_cut_history_line_does_not_hide_the_run(tmp_path):
+    """A writer killed mid-line (cut inside a UTF-8 character, too) leaves a bad line in
+    history.jsonl: the run page's data and `regen progress` still answer, with the good lines."""
+    from regen.status import run_data
+
+    layout = RunLayout(tmp_path / "out")
+    layout.history.parent.mkdir(parents=True)
+    layout.history.write_bytes(b'{"t": 1, "rows": 10}\n{"t": 2, "note": "caf\xc3' + b'\n{"t": 3, "rows": 30}\n')
+    assert [p["t"] for p in run_data(layout)["history"]] == [1, 3]
+    out = subprocess.run([str(BIN / "regen"), "progress", "--output", str(layout.root)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

@@ -69,9 +69,14 @@ def test_a_trigger_cannot_change_the_dags_nodes(make_config, tmp_path):
     from regen.preflight import PreflightFailed, check
 
     cfg = nodes_config(make_config, tmp_path)
-    with pytest.raises(PreflightFailed, match=r"nodes \['a', 'b'\] differ from the nodes this DAG was built for \['a'\]"):
+    with pytest.raises(PreflightFailed, match=r"nodes \['a', 'b'\] differ from the nodes this DAG was built for"):
         check(cfg, code=False, dag_nodes=["a"])
     assert check(cfg, code=False, dag_nodes=["a", "b"]).shards
+    one = make_config(queue="gpu-b")  # a one-node DAG built for gpu-a's queue: its tasks go there
+    with pytest.raises(PreflightFailed, match="queue 'gpu-b' differs from the queue this DAG was built for 'gpu-a'"):
+        check(one, code=False, dag_nodes=[], dag_queue="gpu-a")
+    with pytest.raises(ConfigError, match="queue: a run over several nodes takes each node's own queue"):
+        RunConfig.from_mapping({"queue": "gpu-a", "nodes": [{"name": "a"}]})
 
 
 def test_a_task_on_the_wrong_worker_touches_none_of_the_nodes_servers(make_config, monkeypatch):

@@ -32,6 +32,18 @@ def test_the_three_formats_become_chat_messages(tmp_path):
     assert prompts[3].messages == [{"role": "user", "content": "Q"}]
 
 
+def test_a_byte_order_mark_is_not_a_bad_first_line(tmp_path):
+    """Editors on Windows write a UTF-8 BOM first; the first prompt reads (as read_at finds it
+    again from the index), it is not "invalid character (byte 0)"."""
+    from regen.prompts import read_at
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"id": "a", "prompt": "Q"}\n{"id": "b", "prompt": "R"}\n')
+    prompts = list(read_prompts(path))
+    assert [p.id for p in prompts] == ["a", "b"]
+    assert [p.id for p in read_at(path, [(p.line, p.offset) for p in prompts])] == ["a", "b"]
+
+
 def test_bad_records_are_reported_with_file_and_line_and_do_not_stop_the_read(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [
         {"id": "ok1", "prompt": "fine"},

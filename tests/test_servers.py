@@ -268,3 +268,25 @@ def test_serve_dry_run_prints_the_plan_and_starts_nothing(make_config, fake_smi,
     assert processes_with_args("--port", str(cfg.servers.base_port)) == []
     assert run_preflight(cfg, code=False).info["servers"] == doc["servers"]
 
+
+
+def test_keys_are_never_put_where_others_can_read_them(tmp_path, monkeypatch):
+    """An existing key folder that others may read (or a symlink planted in its place) is refused,
+    naming the folder and the fix; nothing is written there."""
+    from regen.servers.records import KeyDirError, key_file
+
+    shared = tmp_path / "keys"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    monkeypatch.setenv("REGEN_KEY_DIR", str(shared))
+    with pytest.raises(KeyDirError, match=f"key folder {shared}: .*0o755.*chmod 700"):
+        key_file(RunLayout(tmp_path / "out"))
+    link = tmp_path / "link"
+    link.symlink_to(shared)
+    monkeypatch.setenv("REGEN_KEY_DIR", str(link))
+    with pytest.raises(KeyDirError, match="a symlink"):
+        key_file(RunLayout(tmp_path / "out"))
+    assert list(shared.iterdir()) == []
+    shared.chmod(0o700)
+    monkeypatch.setenv("REGEN_KEY_DIR", str(shared))
+    assert key_file(RunLayout(tmp_path / "out")).parent == shared

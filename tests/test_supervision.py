@@ -284,12 +284,13 @@ def test_failed_shards_resume_from_either_clear_the_ui_offers(airflow, make_conf
 @pytest.mark.slow
 def test_a_person_approves_or_rejects_the_run_after_the_canary(airflow, make_config, tmp_path):
     """approve_after_canary under a real scheduler, answered through the REST API as the UI's
-    human-in-the-loop form does: approve, the shards run; reject, the run stops before
-    generation with no server left. About a minute."""
+    human-in-the-loop form does: approve (after longer than idle_shutdown_s: the servers wait
+    for the answer), the shards run on them; reject, the run stops before generation with no
+    server left. About a minute."""
     base, headers = airflow["base"], {"Authorization": f"Bearer {airflow['token']}"}
     api = httpx.Client(base_url=f"{base}/api/v2", headers=headers, timeout=30)
 
-    def answer(run_id: str, option: str) -> None:
+    def answer(run_id: str, option: str, pending_for_s: float = 0.0) -> None:
         path = f"/dags/regenerate_dataset/dagRuns/{run_id}/taskInstances/approve/-1/hitlDetails"
         asked = ("awaiting_input", "failed", "upstream_failed", "skipped")  # Airflow 3.3's HITL state
         wait_until(lambda: shard_states(api, run_id).get(("approve", -1)) in asked, 300, "the approval asked")
@@ -303,13 +304,20 @@ def test_a_person_approves_or_rejects_the_run_after_the_canary(airflow, make_con
         assert "canary" in detail["body"] and "tok/s" in detail["body"]  # the estimate, and examples
         assert set(detail["options"]) == {"Approve", "Reject"}
         assert not any(k[0] == "generate" and v for k, v in shard_states(api, run_id).items())  # nothing started
+        if pending_for_s:  # a person slower than idle_shutdown_s: the scenario is time passing
+            layout = RunLayout(cfg.output)
+            before = [(r.pid, r.start_ticks) for r in read_state(layout)]
+            time.sleep(pending_for_s)
+            assert [(r.pid, r.start_ticks) for r in read_state(layout) if r.running()] == before
         answered = api.patch(path, json={"chosen_options": [option]})
         assert answered.status_code == 200, answered.text
 
-    cfg = make_config(approve_after_canary=True, output=str(tmp_path / "approved"), sim_tokens_per_second=2000)
+    cfg = make_config(approve_after_canary=True, output=str(tmp_path / "approved"), sim_tokens_per_second=2000,
+                      idle_shutdown_s=2)
     run_id = trigger_run(api, cfg)
-    answer(run_id, "Approve")
+    answer(run_id, "Approve", pending_for_s=2 + 4)  # the idle time, and the watchdog's polls after it
     assert_clean_success(api, run_id, cfg)
+    assert "no shard used the servers" not in RunLayout(cfg.output).watchdog_log.read_text()
 
     cfg = make_config(approve_after_canary=True, output=str(tmp_path / "rejected"), sim_tokens_per_second=2000)
     run_id = trigger_run(api, cfg)

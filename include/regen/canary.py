@@ -16,6 +16,7 @@ from pathlib import Path
 from regen.audit.dataset import audit_rows
 from regen.audit.findings import AuditThresholds
 from regen.config import RunConfig
+from regen.coordination import hold_for_approval
 from regen.errors import RegenError
 from regen.generate import generate_rows
 from regen.placement import servers_for
@@ -166,6 +167,8 @@ def probe(cfg: RunConfig, run_id: str | None = None) -> CanaryReport:
     result = run_canary(cfg, [(r.url, r.api_key) for r in servers_for(cfg, run_id)])
     if result.problems:
         raise CanaryFailed("\n".join(result.problems))
+    if cfg.canary.approve:  # a person decides next: the servers wait for the answer
+        hold_for_approval(cfg.layout, run_id or "cli")
     return CanaryReport(
         passed=True, samples=len(result.rows), estimate=result.estimate,
         examples=[{"id": r["id"], "turns": len(r.get("turns") or [1]),

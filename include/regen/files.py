@@ -84,9 +84,10 @@ def read_json(path: Path) -> Any:
 
 def read_json_lines(path: Path, last: int | None = None) -> list[Any]:
     """The JSON lines of a file (its ``last`` ones), skipping any line that does not parse: a
-    writer killed mid-line leaves a cut line, which must not hide the others."""
+    writer killed mid-line leaves a cut line (cut inside a UTF-8 character, too), which must
+    not hide the others."""
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = Path(path).read_text(errors="replace").splitlines()
     except OSError:
         return []
     out = []

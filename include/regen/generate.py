@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 from regen.alerts import check_overdue
 from regen.client import Generator
 from regen.config import RunConfig
-from regen.coordination import FairShare
+from regen.coordination import FairShare, end_approval_hold
 from regen.dispatch import ClientTuning, ServerPool, open_endpoints, scrape_metrics
 from regen.errors import ShardFailed
 from regen.layout import RunLayout, shard_key
@@ -258,6 +258,7 @@ def generate_shard(cfg: RunConfig, shard: int, endpoints: list[str] | None = Non
         expected: dict[str, str] = {}
     else:
         records = servers_for(cfg, run_id)
+        end_approval_hold(cfg.layout)  # answered: from here the shards' leases keep the servers up
         identities = {r.model_fingerprint for r in records}
         if len(identities) != 1 or None in identities:
             raise ShardFailed(f"the recorded servers do not serve one known model ({identities}); "

@@ -186,6 +186,11 @@ class RunLayout:
     def lease(self, name: str) -> Path:
         return self.leases / f"{name}.lease"
 
+    @property
+    def approval_hold(self) -> Path:
+        """A canary's passing run waiting for a person's approval: the servers stay up."""
+        return self.servers / "approval.json"
+
     def request_slots(self, url: str) -> Path:
         """The request slots of the server at ``url``."""
         return self.servers / "slots" / url.split("//", 1)[-1].replace(":", "-").replace("/", "_")

@@ -162,11 +162,16 @@ def iter_records(path: str | Path) -> Iterator[tuple[int, int, Any]]:
     with path.open("rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             try:
-                yield lineno, offset, decode(raw)
+                yield lineno, offset, decode(_without_bom(raw, offset))
             except msgspec.DecodeError as exc:
                 if raw.strip():
                     yield lineno, offset, PromptError(str(path), lineno, f"not valid JSON: {exc}")
             offset += len(raw)
+
+
+def _without_bom(raw: bytes, offset: int) -> bytes:
+    """The first line without the UTF-8 byte order mark some editors write (JSON has none)."""
+    return raw[3:] if offset == 0 and raw.startswith(b"\xef\xbb\xbf") else raw
 
 
 def _prompt(path: str | Path, line: int, offset: int, record: Any) -> Prompt | PromptError:
@@ -202,7 +207,7 @@ def read_at(path: str | Path, places: list[tuple[int, int]]) -> Iterator[Prompt 
             fh.seek(offset)
             raw = fh.readline()
             try:
-                record = decode(raw)
+                record = decode(_without_bom(raw, offset))
             except msgspec.DecodeError as exc:
                 record = PromptError(str(path), line, f"not valid JSON: {exc}")
             yield _prompt(path, line, offset, record)

@@ -106,13 +106,38 @@ def flat_location(model: type[BaseModel], loc: tuple) -> str:
 
 
 def format_validation_error(model: type[BaseModel], exc: ValidationError, source: str) -> str:
-    """One line per bad field, named as the user wrote it. The value is not repeated for a
-    field whose value may be a secret."""
+    """One line per bad field, named as the user wrote it, with the value it got; never a
+    secret's value (a task log, an alert and an import error all repeat this message): not for a
+    secret field, not for an error of the whole config (its input is every field), and any
+    secret that would still appear in the text is replaced."""
+    secrets = {name for name, f in flat_fields(model).items()
+               if isinstance(f.info.json_schema_extra, dict) and f.info.json_schema_extra.get("secret")}
     lines = []
     for err in exc.errors():
         field = flat_location(model, err["loc"])
         msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
-        secret = (flat_fields(model).get(field.split(".")[0]) or None)
-        shown = "" if secret is not None and (secret.info.json_schema_extra or {}).get("secret") else f" (got {err.get('input')!r})"
+        shown = "" if field.split(".")[0] in secrets or not err["loc"] else f" (got {err.get('input')!r})"
         lines.append(f"{source}: field '{field}': {msg}{shown}")
-    return "\n".join(lines)
+    text = "\n".join(lines)
+    for value in _secret_values(exc, secrets):
+        text = text.replace(value, "<redacted>")
+    return text
+
+
+def _secret_values(exc: ValidationError, secrets: set[str]) -> set[str]:
+    """The values given for secret fields anywhere in the failed input (flat or grouped)."""
+    found: set[str] = set()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if key in secrets and isinstance(item, str) and item:
+                    found.add(item)
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    for err in exc.errors():
+        walk(err.get("input"))
+    return found

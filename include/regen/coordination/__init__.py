@@ -22,16 +22,18 @@ lock file                             holder                                 sco
 ``work/claims/NODE/slot-NNNN``        a shard generating on NODE             the shard's attempt           free: the node takes another shard        nothing
 (shard claims)
 ``STAGING/.NAME.lock``                the process staging one model copy     the copy and its check        free; the half copy is a hidden temp      the next staging removes it
+``work/servers/approval.json``        a run waiting for a person's approval  from its canary to the first  (no process: a deadline, 24 h) the        the first shard, the
+(not a lock: a hold with a deadline)  (written by the canary)                shard or the teardown         servers idle out after it                 teardown
 ====================================  =====================================  ============================  ========================================  ==========================
 
 The watchdog (:mod:`regen.servers.watchdog`) is the one process that outlives Airflow on purpose:
-it stops a node's servers when no lease has been live for ``idle_shutdown_s``.
+it stops a node's servers when no lease has been live (and no approval pending) for ``idle_shutdown_s``.
 """
 
-from regen.coordination.leases import Lease, live_leases
+from regen.coordination.leases import Lease, approval_pending, end_approval_hold, hold_for_approval, live_leases
 from regen.coordination.locks import FileLock, LockHeld, is_locked
 from regen.coordination.shares import FairShare, water_fill
 from regen.coordination.slots import SlotPool, request_slots, shard_claims
 
-__all__ = ["FairShare", "FileLock", "Lease", "LockHeld", "SlotPool", "is_locked", "live_leases",
-           "request_slots", "shard_claims", "water_fill"]
+__all__ = ["FairShare", "FileLock", "Lease", "LockHeld", "SlotPool", "approval_pending", "end_approval_hold",
+           "hold_for_approval", "is_locked", "live_leases", "request_slots", "shard_claims", "water_fill"]

@@ -17,6 +17,7 @@ import os
 import time
 
 from regen.coordination.locks import open_for_lock
+from regen.files import atomic_write_json
 from regen.layout import RunLayout
 
 log = logging.getLogger("regen.coordination")
@@ -118,3 +119,26 @@ def live_leases(layout: RunLayout, stale_after_s: float = STALE_AFTER_S) -> list
         finally:
             os.close(fd)
     return found
+
+
+# A run waiting for a person's approval has no process to hold a lease, so its hold is a file with
+# a deadline: the canary writes it, the first shard or the teardown removes it; past the deadline
+# (nobody ever answered) the servers idle out as usual.
+APPROVAL_HOLD_S = 24 * 3600.0
+
+
+def hold_for_approval(layout: RunLayout, run_id: str, hold_s: float = APPROVAL_HOLD_S) -> None:
+    layout.servers.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(layout.approval_hold, {"run_id": run_id, "until": time.time() + hold_s})
+
+
+def approval_pending(layout: RunLayout) -> bool:
+    try:
+        hold = json.loads(layout.approval_hold.read_text())
+        return float(hold["until"]) > time.time()
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def end_approval_hold(layout: RunLayout) -> None:
+    layout.approval_hold.unlink(missing_ok=True)

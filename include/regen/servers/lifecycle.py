@@ -26,7 +26,7 @@ import httpx2
 
 from regen import procs
 from regen.config import RunConfig
-from regen.coordination import FileLock, Lease
+from regen.coordination import FileLock, Lease, end_approval_hold
 from regen.engines import engine
 from regen.errors import RegenError
 from regen.files import atomic_write_json, read_json
@@ -372,7 +372,9 @@ def serve(cfg: RunConfig, served_model_path: str | None = None, run_id: str = "c
 
 
 def teardown(cfg: RunConfig, run_id: str = "cli", every: bool = False) -> ServersStopped:
-    """The stop_servers stage: this run's servers (``every``: all recorded ones)."""
+    """The stop_servers stage: this run's servers (``every``: all recorded ones), and the hold of
+    an approval that was rejected or never answered."""
+    end_approval_hold(cfg.layout)
     stopped, others = stop_servers(cfg.layout, run_id, every)
     summary = f"stopped {stopped} server(s)"
     if others:

@@ -8,7 +8,9 @@ failed from outside, a killed worker, a teardown that never ran. Every ``poll_s`
   died is restarted in place, with its recorded arguments, at most ``MAX_RESTARTS`` times with
   growing pauses, each restart logged and alerted; the shards go on with the other servers and
   take the restarted one back when their probe finds it healthy;
-- when no lease has been live for ``idle_shutdown_s``, it stops every recorded server and exits.
+- when no lease has been live for ``idle_shutdown_s``, it stops every recorded server and exits; a
+  run waiting for a person's approval after its canary counts as using them (until it is
+  answered, at most a day).
 
 It also exits when no server is recorded any more (a teardown ran).
 
@@ -23,7 +25,7 @@ import sys
 import time
 
 from regen.alerts import send
-from regen.coordination import live_leases
+from regen.coordination import approval_pending, live_leases
 from regen.layout import RunLayout
 from regen.servers.lifecycle import relaunch, stop_servers
 from regen.servers.records import read_state
@@ -45,7 +47,7 @@ def watch(layout: RunLayout, idle_shutdown_s: float | None, poll_s: float = 1.0)
         if not records:  # started on a node that is not this one: nothing here to watch
             return f"the servers are recorded on node {', '.join(sorted({r.node for r in recorded}))}"
         now = time.monotonic()
-        if live_leases(layout):
+        if live_leases(layout) or approval_pending(layout):
             last_active = now
             for record in records:
                 if record.running():
