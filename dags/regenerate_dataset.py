@@ -27,7 +27,7 @@ from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk import Asset, AssetAlias, AssetAny, Param, dag, get_current_context, task
 
 from regen.dags.definitions import RunDefinition, queue, run_definitions, shard_pool, shard_retries
-from regen.dags.notify import AlertNotifier
+from regen.dags.notify import AlertNotifier, markdown_literal
 from regen.dags.params import param_schemas
 
 # Every finished dataset is announced under one alias: a training DAG schedules on
@@ -94,9 +94,9 @@ APPROVAL_BODY = """The canary of **{{ dag_run.dag_id }}** passed: {{ ti.xcom_pul
 {% for e in ti.xcom_pull(task_ids='canary')['examples'] %}
 **{{ e.id }}** ({{ e.turns }} turn(s))
 
-> reasoning: {{ e.reasoning_content | replace('\n', ' ') | truncate(400) }}
+> reasoning: {{ e.reasoning_content | markdown_literal }}
 >
-> answer: {{ e.content | replace('\n', ' ') | truncate(400) }}
+> answer: {{ e.content | markdown_literal }}
 {% endfor %}
 Approve to start the shards; reject to stop the run here (its servers are stopped)."""
 
@@ -144,6 +144,7 @@ def regeneration_dag(run: RunDefinition):
         params={name: Param(default, **schema) for name, (default, schema) in param_schemas(run.config).items()},
         doc_md=__doc__ + (f"\n\nDefaults and schedule from `{run.source}`." if run.source else ""),
         tags=["regen", "llm-data"],
+        user_defined_filters={"markdown_literal": markdown_literal},
         default_args={"on_failure_callback": [AlertNotifier()], "queue": run.config.queue or QUEUE},
     )
     def regenerate():

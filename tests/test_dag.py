@@ -82,6 +82,27 @@ def test_stages_are_wired_in_order_with_a_teardown():
     assert dag.get_task("generate").map_index_template == "{{ shard_label }}"
 
 
+def test_model_output_in_the_approval_body_stays_text():
+    """The approval's body is Markdown the reviewer's browser renders: a link, an image (fetched
+    on sight) or HTML the model wrote shows as text, with the DAG's own filter."""
+    from markdown_it import MarkdownIt
+
+    dag = load_dag()
+    approve = dag.get_task("approve")
+    examples = [{"id": "p1", "turns": 1, "reasoning_content": "![pixel](http://evil.example/p.png?k=1)",
+                 "content": "[click](javascript:alert(1)) <img src=x onerror=alert(1)>\n# Heading"}]
+
+    class TaskInstance:
+        def xcom_pull(self, task_ids):
+            return {"estimate": {"text": "1 h at 900 tok/s"}, "examples": examples}
+
+    env = dag.get_template_env()
+    body = env.from_string(approve.body).render(ti=TaskInstance(), dag_run={"dag_id": dag.dag_id})
+    html = MarkdownIt("commonmark").render(body)
+    assert "<img" not in html and "<a " not in html and "<h1>" not in html
+    assert "evil.example" in html and "javascript" in html  # shown, as text
+
+
 def test_every_config_field_is_a_param_with_a_valid_default():
     from regen.config import run_fields
     from regen.dags.params import NOT_PARAMS

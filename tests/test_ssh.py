@@ -201,6 +201,38 @@ def test_shell_metacharacters_in_params_run_no_command_on_the_node(node, tiny_mo
     assert not list(Path("/root").glob("PWNED*"))
 
 
+def test_the_config_reaches_the_node_in_a_private_file_not_on_a_command_line(node, tmp_path):
+    """Any local user of the node reads /proc/PID/cmdline: the stage's command line holds no config
+    value (the API key here), the config arrives in an owner-only file that the stage removes."""
+    import threading
+
+    key = "regen-ssh-test-key-" + "z9" * 10
+    cfg = node(api_key=key)
+    seen: list[bytes] = []
+    done = threading.Event()
+
+    def watch() -> None:  # sample every process's command line while the stage runs
+        while not done.is_set():
+            for entry in Path("/proc").iterdir():
+                try:
+                    cmdline = (entry / "cmdline").read_bytes()
+                except OSError:
+                    continue
+                if b"run-stage" in cmdline:
+                    seen.append(cmdline)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        run("preflight", cfg)
+    finally:
+        done.set()
+        watcher.join()
+    assert seen and all(key.encode() not in c and b"--config-json-file" in c for c in seen)
+    inputs = Path("/root/.cache/regen/stage-input")
+    assert oct(inputs.stat().st_mode & 0o777) == "0o700" and list(inputs.iterdir()) == []
+
+
 def test_a_remote_failure_carries_the_nodes_message_and_type(node, tmp_path):
     from regen.weights import StageError
 

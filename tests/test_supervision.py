@@ -3,6 +3,7 @@ restarts, leases and idle shutdown, the node check, and every Airflow retry path
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -328,6 +329,35 @@ def test_a_person_approves_or_rejects_the_run_after_the_canary(airflow, make_con
     assert {v for k, v in states.items() if k[0] in ("generate", "audit")} == {"skipped"}
     assert not (Path(cfg.output) / "data").exists()
     wait_until(lambda: processes_with_args("--port", str(cfg.servers.base_port)) == [], 30, "no server left")
+
+
+def test_reading_leases_never_removes_one_a_retried_holder_just_put_in_place(tmp_path, monkeypatch):
+    """The watchdog finds a dead shard's lease free; in the same instant the shard's retry puts its
+    own lease under that name. The reader must not remove it: the retry's lease stays, and counts."""
+    import multiprocessing
+
+    from regen.coordination import Lease, live_leases
+
+    layout = RunLayout(tmp_path / "out")
+    ctx = multiprocessing.get_context("fork")
+    dead = ctx.Process(target=lambda: Lease(layout, "shard-00001", "run", demand=5).hold())
+    dead.start()
+    dead.join(30)  # its holder is gone: the file stays, free
+    assert layout.lease("shard-00001").exists() and live_leases(layout) == []
+
+    real_flock, retry = fcntl.flock, []
+
+    def flock_then_retry_replaces(fd, op):  # the reader's lock test succeeds; the retry lands
+        real_flock(fd, op)
+        if not retry:
+            retry.append(None)  # once (the retry's own hold takes a lock too)
+            retry[0] = Lease(layout, "shard-00001", "run", demand=7).hold()
+
+    monkeypatch.setattr(fcntl, "flock", flock_then_retry_replaces)
+    live_leases(layout)
+    monkeypatch.setattr(fcntl, "flock", real_flock)
+    assert [(entry["name"], entry["demand"]) for entry in live_leases(layout)] == [("shard-00001", 7)]
+    retry[0].release()
 
 
 def test_a_lease_read_while_it_is_renewed_still_counts(tmp_path):

@@ -18,6 +18,31 @@ ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM = "/usr/bin/chromium"
 
 
+def test_the_report_route_reads_no_file_through_a_symlink(make_config, tmp_path):
+    """The output is a path the run's conf chose: a report (or an audit folder) that is a symlink
+    to another file is not read by the API server."""
+    from regen.dags.runpage import read_report
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for the run page")
+    cfg = make_config(output=str(tmp_path / "out"))
+    report = cfg.layout.audit.report_html
+    report.parent.mkdir(parents=True)
+    report.symlink_to(secret)
+    with pytest.raises(OSError):
+        read_report(cfg)
+    other = make_config(output=str(tmp_path / "out2"))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / report.name).symlink_to(secret)
+    other.layout.audit.report_html.parent.parent.mkdir(parents=True)
+    other.layout.audit.report_html.parent.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(PermissionError, match="is a symlink"):
+        read_report(other)
+    report.unlink()
+    report.write_text("<p>the report</p>")
+    assert read_report(cfg) == "<p>the report</p>"
+
+
 @pytest.mark.slow
 def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, make_config, tmp_path):
     from playwright.sync_api import sync_playwright
@@ -30,6 +55,8 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
     page_url = f"{base}/regen/runs/regenerate_dataset/{run_id}"
     assert httpx.get(page_url).status_code in (401, 403)  # no token: refused
     assert httpx.get(f"{page_url}/data").status_code in (401, 403)
+    for unguarded in ("openapi.json", "docs", "redoc"):  # FastAPI's own pages: none on the plugin
+        assert httpx.get(f"{base}/regen/{unguarded}").status_code == 404
     views = api.get("/plugins").json()["plugins"]
     assert any(v["destination"] == "dag_run" for p in views for v in p["external_views"])
 
@@ -56,7 +83,9 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
 
         # The samples viewer, in the report the page embeds: conversations as training sees them.
         report = page.context.new_page()
-        assert report.goto(f"{page_url}/report").headers["content-security-policy"].startswith("default-src 'none'")
+        csp = report.goto(f"{page_url}/report").headers["content-security-policy"]
+        assert csp.startswith("default-src 'none'") and csp.endswith("; sandbox")
+        assert page.locator("iframe[sandbox='']").count() == 1
         report.click("details.sample-view >> nth=0")
         assert report.locator("details.sample-view").count() >= 5
         assert report.locator("details.sample-view[open] mark").count() >= 1  # the loss spans

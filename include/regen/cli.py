@@ -102,6 +102,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def load_config(args: argparse.Namespace) -> RunConfig:
     overrides = _overrides(args)
+    if getattr(args, "config_json_file", None):  # an SSH node's stage: read once, then removed
+        path = Path(args.config_json_file)
+        args.config_json_file, args.config_json = None, path.read_text()
+        path.unlink()
     if getattr(args, "config_json", None):
         return RunConfig.from_mapping({**json.loads(args.config_json), **overrides},
                                       source="--config-json")
@@ -336,6 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "on a marked line (how an SSH node runs a stage)")
     p.add_argument("stage", help="the stage's name (regen.stages)")
     _add_config_flags(p)
+    p.add_argument("--config-json-file", type=Path, help="a file holding --config-json's object, removed once "
+                   "read (how regen hands a stage to an SSH node: not on a command line)")
     p.add_argument("--kwargs-json", default="{}")
     p.add_argument("--result-marker", required=True)
     p.set_defaults(func=cmd_run_stage)

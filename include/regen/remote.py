@@ -1,7 +1,8 @@
 """The SSH transport of :mod:`regen.pipeline`: a stage run by a GPU node's own ``regen``.
 
-The stage runs there as ``regen run-stage``, with the run's config passed as one quoted JSON
-argument: staging, servers, canary, generation and audit all happen where the GPUs, the RAM disk
+The stage runs there as ``regen run-stage``, with the run's config in an owner-only file on the
+node (written over the same SSH connection, read and removed by the stage: a command line is
+readable by every local user, and the config may hold the servers' key): staging, servers, canary, generation and audit all happen where the GPUs, the RAM disk
 and the data are. Why generation runs on the node rather than through SSH tunnels from the Airflow
 worker: the servers stay bound to the node's loopback; days of request traffic do not ride one SSH
 connection whose loss would abort every request in flight; and the journal and shards are written
@@ -39,22 +40,56 @@ class RemoteOutput:
         return "\n".join(self.lines[-count:])
 
 
-def stage_argv(cfg: RunConfig, name: str, kwargs: dict, marker: str) -> list[str]:
-    """The node's command line: the config (minus the SSH hop) and arguments travel as JSON."""
-    local = cfg.model_copy(update={"ssh_conn_id": None})
+# Relative to the SSH user's home, where the command starts.
+INPUT_DIR = (".cache", "regen", "stage-input")
+
+
+def stage_input(cfg: RunConfig) -> str:
+    """The config the node's stage runs with (minus the SSH hop), as the file's content."""
+    return cfg.model_copy(update={"ssh_conn_id": None}).model_dump_json()
+
+
+def stage_argv(cfg: RunConfig, name: str, kwargs: dict, marker: str, config_file: str) -> list[str]:
+    """The node's command line: where the config is, the stage's arguments as JSON; no config value."""
     # The pty makes the node's regen think a person watches: no progress bar in the task log.
-    return [cfg.remote_regen, "--no-progress-bar", "run-stage", name, "--config-json",
-            local.model_dump_json(), "--kwargs-json", json.dumps(kwargs), "--result-marker", marker]
+    return [cfg.remote_regen, "--no-progress-bar", "run-stage", name, "--config-json-file", config_file,
+            "--kwargs-json", json.dumps(kwargs), "--result-marker", marker]
 
 
-def run_command(conn_id: str, argv: list[str], marker: str, keep_lines: int = 500) -> RemoteOutput:
+def upload_private(client, content: str) -> str:
+    """``content`` in a new owner-only file under the SSH user's home on the node; its path."""
+    sftp = client.open_sftp()
+    try:
+        path = ""
+        for part in INPUT_DIR:
+            path = f"{path}/{part}" if path else part
+            try:
+                sftp.mkdir(path, mode=0o700)
+            except OSError:  # already there
+                pass
+        path = f"{path}/{secrets.token_hex(16)}.json"
+        with sftp.open(path, "wx") as fh:  # x: never an existing file (or a link planted there)
+            sftp.chmod(path, 0o600)
+            fh.write(content)
+        return path
+    finally:
+        sftp.close()
+
+
+def run_command(conn_id: str, argv: list[str], marker: str, keep_lines: int = 500,
+                upload: str | None = None) -> RemoteOutput:
+    """``argv`` on the node; with ``upload``, that text first goes to a private file there, and
+    ``{upload}`` in argv is replaced by its path."""
     from airflow.providers.ssh.hooks.ssh import SSHHook
 
-    command = shlex.join(argv)  # every argument quoted: nothing from a Param is parsed by a shell
     hook = SSHHook(ssh_conn_id=conn_id, cmd_timeout=None)
     lines: list[str] = []
     result = None
     with hook.get_conn() as client:
+        if upload is not None:
+            path = upload_private(client, upload)
+            argv = [path if arg == "{upload}" else arg for arg in argv]
+        command = shlex.join(argv)  # every argument quoted: nothing from a Param is parsed by a shell
         channel = client.get_transport().open_session()
         channel.get_pty(width=250)
         channel.exec_command(command)
@@ -86,7 +121,8 @@ def run_command(conn_id: str, argv: list[str], marker: str, keep_lines: int = 50
 def run_stage(cfg: RunConfig, name: str, kwargs: dict) -> dict:
     """The stage's result document, as the node's ``regen run-stage`` wrote it."""
     marker = f"regen-result-{secrets.token_hex(16)} "
-    out = run_command(cfg.ssh_conn_id, stage_argv(cfg, name, kwargs, marker), marker)
+    out = run_command(cfg.ssh_conn_id, stage_argv(cfg, name, kwargs, marker, "{upload}"), marker,
+                      upload=stage_input(cfg))
     if out.result is None:
         raise RemoteError(f"`regen run-stage {name}` on {cfg.ssh_conn_id} exited with "
                           f"{out.exit_code} without a result:\n{out.tail()}")

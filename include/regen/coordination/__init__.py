@@ -15,8 +15,8 @@ lock file                             holder                                 sco
                                       (text: ``pid P on HOST``)              fails at once                 resumes from the journal                  holding the last holder)
 ``work/manifest.lock``,               the writer of manifest.json; the one   one write, one indexing       free; the write is atomic, so the old     nothing
 ``work/index.lock``                   process indexing the prompt file                                     manifest stays whole
-``work/servers/leases/NAME.lease``    a shard or the canary using the        its whole use, renewed        free at once; stale after 60 s without    ``live_leases`` (the
-                                      node's servers (its demand inside)     (mtime) every rebalance       renewal (a hung holder)                   watchdog, every shard)
+``work/servers/leases/NAME.lease``    a shard or the canary using the        its whole use, renewed        free at once; stale after 60 s without    its retry (same name);
+                                      node's servers (its demand inside)     (mtime) every rebalance       renewal (a hung holder)                   the file stays till then
 ``work/servers/slots/HOST-PORT/``     a process with requests in flight on   taken and given back as       free: the slots go to the other shards    nothing
 ``slot-NNNN`` (request slots)         that server                            fair shares change            at their next rebalance
 ``work/claims/NODE/slot-NNNN``        a shard generating on NODE             the shard's attempt           free: the node takes another shard        nothing

@@ -83,9 +83,11 @@ def _same_file(fd: int, path) -> bool:
 
 
 def live_leases(layout: RunLayout, stale_after_s: float = STALE_AFTER_S) -> list[dict]:
-    """The leases whose holder is alive and renewing; the files of dead holders are removed. A
-    lease that cannot be opened or tested (permissions, a filesystem refusing the lock) is
-    skipped and logged, never taken for free or for live."""
+    """The leases whose holder is alive and renewing. A dead holder's file is left where it is
+    (a few bytes, under a name its own retry takes over): removing it could remove the lease a
+    retried holder has just put in its place. A lease that cannot be opened or tested
+    (permissions, a filesystem refusing the lock) is skipped and logged, never taken for free
+    or for live."""
     found: list[dict] = []
     folder = layout.leases
     if not folder.is_dir():
@@ -100,22 +102,17 @@ def live_leases(layout: RunLayout, stale_after_s: float = STALE_AFTER_S) -> list
             log.warning("lease %s cannot be opened (%s): skipped", path, exc.strerror or exc)
             continue
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # held: the holder is alive
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # held: the holder is alive
-                try:
-                    info = json.loads(os.pread(fd, 65536, 0) or b"{}")
-                    age = now - os.fstat(fd).st_mtime
-                except (OSError, ValueError):
-                    continue
-                if age <= stale_after_s and isinstance(info, dict):
-                    found.append({"demand": 0, **info, "name": path.stem, "age_s": round(age, 1)})
+                info = json.loads(os.pread(fd, 65536, 0) or b"{}")
+                age = now - os.fstat(fd).st_mtime
+            except (OSError, ValueError):
                 continue
-            except OSError as exc:
-                log.warning("lease %s cannot be tested (%s): skipped", path, exc.strerror or exc)
-                continue
-            if _same_file(fd, path):  # its holder is gone, and nobody replaced it meanwhile
-                path.unlink(missing_ok=True)
+            if age <= stale_after_s and isinstance(info, dict):
+                found.append({"demand": 0, **info, "name": path.stem, "age_s": round(age, 1)})
+        except OSError as exc:
+            log.warning("lease %s cannot be tested (%s): skipped", path, exc.strerror or exc)
         finally:
             os.close(fd)
     return found

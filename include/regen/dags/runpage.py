@@ -18,8 +18,10 @@ from regen.pipeline import run
 
 PAGE_CSP = ("default-src 'none'; script-src 'nonce-{nonce}'; style-src 'unsafe-inline'; connect-src 'self'; "
             "frame-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'self'")
+# `sandbox`: the report is a document of the run's own output (model text in it): whatever it
+# holds runs nowhere, with no origin of Airflow's.
 REPORT_CSP = ("default-src 'none'; img-src data:; style-src 'unsafe-inline'; base-uri 'none'; "
-              "form-action 'none'; frame-ancestors 'self'")
+              "form-action 'none'; frame-ancestors 'self'; sandbox")
 
 
 def run_config(dag_id: str, conf: "dict | None") -> "RunConfig | None":
@@ -41,9 +43,30 @@ def config_data(cfg: RunConfig) -> dict:
     return data
 
 
+def read_report(cfg: RunConfig) -> str:
+    """The run's report.html, read only when neither it nor a folder on its way from the output
+    directory is a symlink (the output is a path the run's conf chose: a link there must not make
+    the API server read another file)."""
+    import os
+    import stat
+
+    root = os.path.abspath(cfg.output)
+    path = cfg.layout.audit.report_html
+    part = root
+    for name in os.path.relpath(path, root).split(os.sep)[:-1]:
+        part = os.path.join(part, name)
+        if os.path.islink(part):
+            raise PermissionError(f"{part} is a symlink: the report is not served")
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # ELOOP on a symlink
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+            raise PermissionError(f"{path} is not a regular file")
+        return fh.read().decode("utf-8", "replace")
+
+
 def create_app():
     from fastapi import Depends, FastAPI, HTTPException
-    from fastapi.responses import FileResponse, HTMLResponse
+    from fastapi.responses import HTMLResponse
     from sqlalchemy import select
 
     from airflow.api_fastapi.common.db.common import SessionDep
@@ -51,7 +74,9 @@ def create_app():
     from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
     from airflow.models.dagrun import DagRun
 
-    app = FastAPI(title="regen run page")
+    # No /docs, /redoc or /openapi.json: Airflow does not guard a plugin's routes, and those
+    # would answer anyone.
+    app = FastAPI(title="regen run page", docs_url=None, redoc_url=None, openapi_url=None)
     guard = [Depends(requires_access_dag(method="GET", access_entity=DagAccessEntity.RUN))]
 
     @app.middleware("http")
@@ -88,10 +113,13 @@ def create_app():
         cfg = config_of(dag_id, run_id, session)
         if cfg.ssh_conn_id:
             raise HTTPException(404, f"the report is on {cfg.ssh_conn_id}: {cfg.output}/audit/report.html")
-        path = cfg.layout.audit.report_html
-        if not path.exists():
-            raise HTTPException(404, "the audit has not run yet")
-        return FileResponse(path, media_type="text/html")
+        try:
+            text = read_report(cfg)
+        except FileNotFoundError:
+            raise HTTPException(404, "the audit has not run yet") from None
+        except OSError as exc:  # a symlink on the way (ELOOP), not a regular file
+            raise HTTPException(404, f"the report is not served: {exc}") from None
+        return HTMLResponse(text)
 
     return app
 
@@ -174,7 +202,7 @@ async function refresh() {
       el("span", {id: "verdict", class: "verdict " + (a.verdict === "PASS" ? "PASS" : "FAIL")}, a.verdict),
       ` degenerate fraction ${a.degenerate_fraction}`, el("ul", {}, ...a.summary.map(l => el("li", {}, l))), counts,
       el("p", {}, el("a", {href: base + "/report"}, "full report: histograms and samples")),
-      el("iframe", {src: base + "/report", width: "100%", height: "900", style: "border:0"}));
+      el("iframe", {src: base + "/report", sandbox: "", width: "100%", height: "900", style: "border:0"}));
   }
   if (!a) setTimeout(refresh, 5000);
 }
