@@ -233,6 +233,31 @@ def test_the_config_reaches_the_node_in_a_private_file_not_on_a_command_line(nod
     assert oct(inputs.stat().st_mode & 0o777) == "0o700" and list(inputs.iterdir()) == []
 
 
+def test_a_hung_node_does_not_hang_the_run_page(sshd, monkeypatch, make_config):
+    """A node that accepts the connection and never answers: the run page's data answers within
+    its deadline, naming the node, and the next poll does too."""
+    import socket
+    import time
+
+    from regen.dags.runpage import config_data
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    hung = json.loads(connection(sshd))
+    hung["port"] = listener.getsockname()[1]
+    monkeypatch.setenv("AIRFLOW_CONN_HUNG_NODE", json.dumps(hung))
+    cfg = make_config(ssh_conn_id="hung_node", remote_regen=str(BIN / "regen"))
+    try:
+        for _ in range(2):
+            started = time.monotonic()
+            with pytest.raises(TimeoutError, match="node hung_node did not answer within 2 s"):
+                config_data(cfg, deadline_s=2)
+            assert time.monotonic() - started < 4
+    finally:
+        listener.close()
+
+
 def test_a_remote_failure_carries_the_nodes_message_and_type(node, tmp_path):
     from regen.weights import StageError
 

@@ -40,6 +40,8 @@ class RemoteOutput:
         return "\n".join(self.lines[-count:])
 
 
+CONNECT_TIMEOUT_S = 30
+
 # Relative to the SSH user's home, where the command starts.
 INPUT_DIR = (".cache", "regen", "stage-input")
 
@@ -57,23 +59,24 @@ def stage_argv(cfg: RunConfig, name: str, kwargs: dict, marker: str, config_file
 
 
 def upload_private(client, content: str) -> str:
-    """``content`` in a new owner-only file under the SSH user's home on the node; its path."""
-    sftp = client.open_sftp()
+    """``content`` in a new owner-only file under the SSH user's home on the node; its path.
+    Sent on the stdin of a command without a terminal (nothing echoed, nothing on a command
+    line); ``set -C`` refuses an existing file or a link planted under that name."""
+    folder = "/".join(INPUT_DIR)
+    path = f"{folder}/{secrets.token_hex(16)}.json"
+    command = f"umask 077 && mkdir -p {folder} && chmod 700 {folder} && set -C && cat > {path}"
+    channel = client.get_transport().open_session()
     try:
-        path = ""
-        for part in INPUT_DIR:
-            path = f"{path}/{part}" if path else part
-            try:
-                sftp.mkdir(path, mode=0o700)
-            except OSError:  # already there
-                pass
-        path = f"{path}/{secrets.token_hex(16)}.json"
-        with sftp.open(path, "wx") as fh:  # x: never an existing file (or a link planted there)
-            sftp.chmod(path, 0o600)
-            fh.write(content)
-        return path
+        channel.exec_command(command)  # only names regen drew: no value of the run's
+        channel.sendall(content.encode())
+        channel.shutdown_write()
+        code = channel.recv_exit_status()
+        if code != 0:
+            raise RemoteError(f"could not write the stage's config on the node ({command!r} exited {code}: "
+                              f"{channel.recv_stderr(4096).decode('utf-8', 'replace').strip()})")
     finally:
-        sftp.close()
+        channel.close()
+    return path
 
 
 def run_command(conn_id: str, argv: list[str], marker: str, keep_lines: int = 500,
@@ -82,7 +85,9 @@ def run_command(conn_id: str, argv: list[str], marker: str, keep_lines: int = 50
     ``{upload}`` in argv is replaced by its path."""
     from airflow.providers.ssh.hooks.ssh import SSHHook
 
-    hook = SSHHook(ssh_conn_id=conn_id, cmd_timeout=None)
+    # A node that does not answer fails the connection in seconds (the command itself may run
+    # for hours: generation); a hung node's banner is waited for at most SSHHook's 30 s.
+    hook = SSHHook(ssh_conn_id=conn_id, cmd_timeout=None, conn_timeout=CONNECT_TIMEOUT_S)
     lines: list[str] = []
     result = None
     with hook.get_conn() as client:

@@ -34,12 +34,30 @@ def run_config(dag_id: str, conf: "dict | None") -> "RunConfig | None":
     return RunConfig.from_mapping({**defaults.model_dump(mode="json"), **given}, source="run conf")
 
 
-def config_data(cfg: RunConfig) -> dict:
+# The page polls /data every 5 s. For a run on an SSH node that is a command on the node: it gets
+# this long (then the page says so), in a small pool of its own, so that a hung node holds at most
+# these threads of the API server and none of its database sessions.
+STATUS_DEADLINE_S = 10.0
+_status_pool = None
+
+
+def config_data(cfg: RunConfig, deadline_s: float = STATUS_DEADLINE_S) -> dict:
     """The status stage's document, read where the run's output lives (over SSH for a run on
-    an SSH node)."""
-    data = run("status", cfg).model_dump(mode="json")
-    if cfg.ssh_conn_id:
-        data["output"] = f"{cfg.ssh_conn_id}:{data['output']}"
+    an SSH node, within ``deadline_s``: TimeoutError naming the node after that)."""
+    global _status_pool
+    if not cfg.ssh_conn_id:
+        return run("status", cfg).model_dump(mode="json")
+    import concurrent.futures
+
+    if _status_pool is None:
+        _status_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="regen-status")
+    future = _status_pool.submit(run, "status", cfg)
+    try:
+        data = future.result(timeout=deadline_s).model_dump(mode="json")
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise TimeoutError(f"node {cfg.ssh_conn_id} did not answer within {deadline_s:.0f} s") from None
+    data["output"] = f"{cfg.ssh_conn_id}:{data['output']}"
     return data
 
 
@@ -69,10 +87,10 @@ def create_app():
     from fastapi.responses import HTMLResponse
     from sqlalchemy import select
 
-    from airflow.api_fastapi.common.db.common import SessionDep
     from airflow.api_fastapi.core_api.security import requires_access_dag
     from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
     from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
 
     # No /docs, /redoc or /openapi.json: Airflow does not guard a plugin's routes, and those
     # would answer anyone.
@@ -88,29 +106,35 @@ def create_app():
         response.headers["X-Content-Type-Options"] = "nosniff"
         return response
 
-    def config_of(dag_id: str, run_id: str, session) -> RunConfig:
-        run = session.scalar(select(DagRun).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
+    def config_of(dag_id: str, run_id: str) -> RunConfig:
+        """The run's config; the database session is closed before anything reaches a node."""
+        with create_session() as session:
+            run = session.scalar(select(DagRun).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
+            conf = None if run is None else dict(run.conf or {})
         if run is None:
             raise HTTPException(404, f"no run {run_id!r} of {dag_id!r}")
-        cfg = run_config(dag_id, run.conf)
+        cfg = run_config(dag_id, conf)
         if cfg is None:
             raise HTTPException(404, f"{dag_id!r} is not a regen DAG")
         return cfg
 
     @app.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse, dependencies=guard)
-    def page(dag_id: str, run_id: str, session: SessionDep) -> str:
-        config_of(dag_id, run_id, session)
+    def page(dag_id: str, run_id: str) -> str:
+        config_of(dag_id, run_id)
         nonce = secrets.token_urlsafe(16)
         body = PAGE.replace("__TITLE__", html.escape(f"{dag_id} / {run_id}")).replace("__NONCE__", nonce)
         return HTMLResponse(body, headers={"Content-Security-Policy": PAGE_CSP.format(nonce=nonce)})
 
     @app.get("/runs/{dag_id}/{run_id}/data", dependencies=guard)
-    def data(dag_id: str, run_id: str, session: SessionDep) -> dict:
-        return config_data(config_of(dag_id, run_id, session))
+    def data(dag_id: str, run_id: str) -> dict:
+        try:
+            return config_data(config_of(dag_id, run_id))
+        except TimeoutError as exc:
+            raise HTTPException(504, str(exc)) from None
 
     @app.get("/runs/{dag_id}/{run_id}/report", dependencies=guard)
-    def report(dag_id: str, run_id: str, session: SessionDep):
-        cfg = config_of(dag_id, run_id, session)
+    def report(dag_id: str, run_id: str):
+        cfg = config_of(dag_id, run_id)
         if cfg.ssh_conn_id:
             raise HTTPException(404, f"the report is on {cfg.ssh_conn_id}: {cfg.output}/audit/report.html")
         try:
