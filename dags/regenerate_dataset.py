@@ -104,8 +104,14 @@ Approve to start the shards; reject to stop the run here (its servers are stoppe
 @task(retries=SHARD_RETRIES, retry_delay=timedelta(seconds=SHARD_RETRY_DELAY_S), map_index_template="{{ shard_label }}",
       pool=SHARD_POOL, trigger_rule="none_failed_min_one_success")  # straight from the gate, or approved
 def generate(shard: int, params=None) -> str:
-    get_current_context()["shard_label"] = f"shard {shard}/{params['num_shards']}"
-    return _run("generate", params, shard=shard, strict_index=True).summary
+    """A shard; its attempt has a deadline derived from the canary's estimate (a hung node or
+    command fails it, and its retry resumes)."""
+    from regen.generate import shard_deadline_s
+
+    context = get_current_context()
+    context["shard_label"] = f"shard {shard}/{params['num_shards']}"
+    estimate = (context["ti"].xcom_pull(task_ids="canary") or {}).get("estimate")
+    return _run("generate", params, shard=shard, strict_index=True, deadline_s=shard_deadline_s(estimate)).summary
 
 
 @task(retries=0)

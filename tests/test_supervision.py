@@ -23,6 +23,7 @@ from regen.servers.lifecycle import start_servers, stop_records
 from regen.servers.records import read_state
 from support.airflow import trigger_run, wait_run
 from support.data import read_ids, write_prompts
+from support.engines import sim_requests_total
 from support.paths import BIN, ROOT
 from support.processes import processes_with_args, wait_until
 
@@ -75,6 +76,30 @@ def test_the_limit_is_sglangs_effective_one_and_shared_by_every_shard(sim_server
     assert peak_in_flight(url) <= budget  # four shards, one budget
     df = pd.read_parquet(tmp_path / "four" / "data")
     assert len(df) == 120 and df["id"].is_unique
+
+
+def test_a_shard_past_its_deadline_fails_and_its_retry_resumes(sim_servers, tmp_path):
+    """A slow (or hung) node: the attempt fails at its deadline, naming it, with what it finished
+    kept; the retry sends only the rest. The DAG's deadline comes from the canary's estimate."""
+    from regen.dispatch import ClientTuning
+    from regen.errors import ShardFailed
+    from regen.generate import SHARD_DEADLINE_FLOOR_S, ShardRun, shard_deadline_s
+
+    assert shard_deadline_s({"eta_s": 3600}) == 4 * 3600 and shard_deadline_s({"eta_s": 60}) == SHARD_DEADLINE_FLOOR_S
+    assert shard_deadline_s(None) is None and shard_deadline_s({"eta_s": None}) is None
+    cfg, records = sim_servers(num_servers=1, sim_tokens_per_second=80, concurrency_per_server=4)
+    prompts = write_prompts(tmp_path / "p.jsonl", 40)
+    cfg = cfg.model_copy(update={"prompts": str(prompts), "num_shards": 1})
+    endpoints = [(r.url, r.api_key) for r in records]
+    with pytest.raises(ShardFailed, match="passed its deadline of 4 s"):
+        ShardRun(cfg, endpoints, 0, records[0].model_fingerprint, ClientTuning(), deadline_s=4).run()
+    sent_first = sim_requests_total(records[0].url)
+    assert 0 < sent_first < 40
+    done = ShardRun(cfg, endpoints, 0, records[0].model_fingerprint, ClientTuning()).run()
+    assert done.failed == 0 and done.skipped > 0  # finished rows kept
+    assert sim_requests_total(records[0].url) - sent_first <= 40 - done.skipped + 4  # the rest, and what was cut
+    df = pd.read_parquet(Path(cfg.output) / "data")
+    assert sorted(df["id"]) == sorted(read_ids(prompts)) and df["id"].is_unique
 
 
 def test_a_server_killed_mid_shard_is_restarted_and_the_shard_completes(sim_servers, tmp_path):

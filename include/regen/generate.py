@@ -60,8 +60,10 @@ class ShardRun:
     def __init__(self, cfg: RunConfig, endpoints: list[tuple[str, str | None]], shard: int,
                  model_identity: str | None, tuning: ClientTuning | None = None,
                  on_row: Callable[[dict], None] | None = None, rebuild_index: bool = True,
-                 expected_models: dict[str, str] | None = None, run_id: str = "cli"):
+                 expected_models: dict[str, str] | None = None, run_id: str = "cli",
+                 deadline_s: float | None = None):
         self.cfg = cfg
+        self.deadline_s = deadline_s
         self.run_id = run_id
         self.endpoints = endpoints
         self.tuning = tuning or ClientTuning()
@@ -85,6 +87,9 @@ class ShardRun:
     def run(self) -> ShardResult:
         with self.store.lock():
             return asyncio.run(self._run())
+
+    def _time_left(self) -> float | None:
+        return None if self.deadline_s is None else max(self.deadline_s - (time.monotonic() - self.started), 0.0)
 
     def _report_bad(self, doc: dict) -> int:
         """Unreadable records of the prompt file that fall to this shard, listed with file:line."""
@@ -161,7 +166,13 @@ class ShardRun:
                 self._report()
                 reporter = asyncio.create_task(self._reporter())
                 try:
-                    await self.gen.run(self._conversations(prompts, pending, resumed))
+                    await asyncio.wait_for(self.gen.run(self._conversations(prompts, pending, resumed)),
+                                           self._time_left())
+                except asyncio.TimeoutError:
+                    self._report("failed")
+                    raise ShardFailed(f"{self.store.name} passed its deadline of {self.deadline_s:.0f} s "
+                                      f"(derived from the canary's estimate); what it finished is kept and "
+                                      f"its retry resumes from there") from None
                 except BaseException:
                     self._report("failed")
                     raise
@@ -243,7 +254,7 @@ class ShardRun:
 
 def generate_shard(cfg: RunConfig, shard: int, endpoints: list[str] | None = None,
                    model_from: str = "servers", strict_index: bool = False, run_id: str | None = None,
-                   give_up_after_s: float | None = None) -> ShardResult:
+                   give_up_after_s: float | None = None, deadline_s: float | None = None) -> ShardResult:
     """The generate stage. Default: the servers start_servers recorded, and the model identity it
     recorded (the fingerprint of the copy they loaded); with ``run_id`` (a DAG shard), servers
     that are gone are brought up here first, so any retry path resumes the shard.
@@ -251,7 +262,8 @@ def generate_shard(cfg: RunConfig, shard: int, endpoints: list[str] | None = Non
     (``model_from="servers"``) or the config's model directory (``"model_path"``).
     ``strict_index``: the manifest must be the one this run's preflight wrote (a DAG shard); else
     the prompt file is indexed here when needed. ``give_up_after_s``: how long every server may
-    be down before the shard fails (a run over several nodes retries it on another)."""
+    be down before the shard fails (a run over several nodes retries it on another).
+    ``deadline_s``: how long this attempt may take (:func:`shard_deadline_s`)."""
     if endpoints:
         pairs = [(url, cfg.servers.api_key) for url in endpoints]
         identity = model_fingerprint(cfg.model_path) if model_from == "model_path" else None
@@ -269,7 +281,23 @@ def generate_shard(cfg: RunConfig, shard: int, endpoints: list[str] | None = Non
     with _progress_bar() as on_row:
         tuning = ClientTuning(all_down_timeout_s=give_up_after_s) if give_up_after_s else None
         return ShardRun(cfg, pairs, shard, identity, tuning=tuning, on_row=on_row,
-                        rebuild_index=not strict_index, expected_models=expected, run_id=run_id or "cli").run()
+                        rebuild_index=not strict_index, expected_models=expected, run_id=run_id or "cli",
+                        deadline_s=deadline_s).run()
+
+
+# A shard attempt gets this many times the canary's estimate of the whole run (one shard cannot
+# honestly take longer than all of them), and never less than the floor: a deadline catches a
+# hung node or command, not a slow run.
+SHARD_DEADLINE_FACTOR = 4.0
+SHARD_DEADLINE_FLOOR_S = 1800.0
+
+
+def shard_deadline_s(canary_estimate: dict | None) -> float | None:
+    """A shard attempt's deadline from the canary's estimate; None when there is no estimate."""
+    eta = (canary_estimate or {}).get("eta_s")
+    if not isinstance(eta, (int, float)) or eta <= 0:
+        return None
+    return max(SHARD_DEADLINE_FLOOR_S, SHARD_DEADLINE_FACTOR * eta)
 
 
 def shards_to_run(cfg: RunConfig) -> list[int]:
