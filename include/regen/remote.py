@@ -2,8 +2,8 @@
 
 The stage runs there as ``regen run-stage``, with the run's config in an owner-only file on the
 node (written over the same SSH connection, read and removed by the stage: a command line is
-readable by every local user, and the config may hold the servers' key): staging, servers, canary, generation and audit all happen where the GPUs, the RAM disk
-and the data are. Why generation runs on the node rather than through SSH tunnels from the Airflow
+readable by every local user, and the config may hold the servers' key). Staging, servers,
+canary, generation and audit all happen where the GPUs, the RAM disk and the data are. Why generation runs on the node rather than through SSH tunnels from the Airflow
 worker: the servers stay bound to the node's loopback; days of request traffic do not ride one SSH
 connection whose loss would abort every request in flight; and the journal and shards are written
 to the node's disk, next to the servers, so a retry resumes there.
