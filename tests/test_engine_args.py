@@ -20,20 +20,34 @@ print(json.dumps({k: getattr(args, k) for k in keys}))
 """
 
 
-def parse(argv: list[str]) -> subprocess.CompletedProcess:
+def parse(argv: list[str], key: str | None = None) -> subprocess.CompletedProcess:
+    """SGLang's parser on the arguments the server process gets: run as the server is, through
+    regen's key wrapper (the key from the environment), with a probe module in place of
+    sglang.launch_server."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from regen.engines import engine
+
     assert SGLANG_PYTHON.exists(), f"{SGLANG_PYTHON}: run `make test`, which installs SGLang's parser"
     assert argv[1:3] == ["-m", "sglang.launch_server"]
-    return subprocess.run([str(SGLANG_PYTHON), "-c", PARSE, *argv[3:]], capture_output=True,
-                          text=True, timeout=120)
+    python, wrapper, module, *args = engine("sglang").server_argv(argv)
+    assert module == "sglang.launch_server"
+    with tempfile.TemporaryDirectory() as probe_dir:
+        (Path(probe_dir) / "sglang_parse_probe.py").write_text(PARSE)
+        env = {**os.environ, "PYTHONPATH": probe_dir, **({"REGEN_SERVER_API_KEY": key} if key else {})}
+        return subprocess.run([str(SGLANG_PYTHON), wrapper, "sglang_parse_probe", *args], capture_output=True,
+                              text=True, timeout=120, env=env)
 
 
 def test_the_default_launch_command_parses(make_config):
     cfg = make_config(engine="sglang")
-    out = parse(build_command(cfg, "/dev/shm/regen/Qwen3-32B", 30000, "k" * 48))
+    out = parse(build_command(cfg, "/dev/shm/regen/Qwen3-32B", 30000), key="k" * 48)
     assert out.returncode == 0, out.stderr[-2000:]
     args = json.loads(out.stdout.strip().splitlines()[-1])
     assert args["model_path"] == "/dev/shm/regen/Qwen3-32B"
-    assert (args["host"], args["port"], args["api_key"]) == ("127.0.0.1", 30000, "k" * 48)
+    assert (args["host"], args["port"], args["api_key"]) == ("127.0.0.1", 30000, "k" * 48)  # through the wrapper
     assert args["enable_metrics"] is True
     assert args["reasoning_parser"] == "qwen3"
 
@@ -44,7 +58,7 @@ def test_the_seeds_mtp_configuration_parses(make_config):
                       speculative_eagle_topk=1, speculative_num_draft_tokens=4,
                       max_mamba_cache_size=80, mem_fraction_static=0.85, max_running_requests=48,
                       context_length=65536, seed=7)
-    out = parse(build_command(cfg, "/dev/shm/regen/Qwen3.6-27B", 30003, None))
+    out = parse(build_command(cfg, "/dev/shm/regen/Qwen3.6-27B", 30003))
     assert out.returncode == 0, out.stderr[-2000:]
     args = json.loads(out.stdout.strip().splitlines()[-1])
     assert args["speculative_algorithm"] in ("NEXTN", "EAGLE")  # NEXTN is an alias of EAGLE
@@ -57,7 +71,7 @@ def test_the_seeds_mtp_configuration_parses(make_config):
 
 def test_a_flag_sglang_does_not_know_is_refused_by_its_parser(make_config):
     cfg = make_config(engine="sglang", extra_server_args=["--speculative-tree-width", "3"])
-    out = parse(build_command(cfg, "/m", 30000, None))
+    out = parse(build_command(cfg, "/m", 30000))
     assert out.returncode == 2
     assert "unrecognized arguments: --speculative-tree-width" in out.stderr
 
@@ -100,7 +114,7 @@ def test_without_sglang_installed_preflight_says_whose_list_it_used(make_config)
 
 def test_a_tensor_and_data_parallel_launch_parses(make_config):
     cfg = make_config(engine="sglang", tp_size=2, dp_size=4, tool_call_parser="qwen3_coder")
-    out = parse(build_command(cfg, "/m", 30000, None))
+    out = parse(build_command(cfg, "/m", 30000))
     assert out.returncode == 0, out.stderr[-2000:]
     args = json.loads(out.stdout.strip().splitlines()[-1])
     assert (args["tp_size"], args["dp_size"], args["tool_call_parser"]) == (2, 4, "qwen3_coder")
@@ -116,7 +130,7 @@ def test_vllms_own_parser_takes_regens_vllm_commands(make_config):
                         "mem_fraction_static": 0.8, "context_length": 4096, "seed": 3},
                    {"tp_size": 2, "dp_size": 2, "tool_call_parser": "hermes"}):
         cfg = make_config(engine="vllm", engine_python=str(VLLM_PYTHON), **fields)
-        argv = build_command(cfg, "/dev/shm/regen/Qwen3-8B", 30000, "k" * 48)
+        argv = build_command(cfg, "/dev/shm/regen/Qwen3-8B", 30000)
         assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
         installed = ask_engine(cfg, argv)
         assert installed.source == f"vllm 0.32.0 at {VLLM_PYTHON}"

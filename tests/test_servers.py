@@ -143,10 +143,10 @@ def test_sglang_and_vllm_commands_carry_the_launch_options(make_config):
                       speculative_eagle_topk=1, speculative_num_draft_tokens=4,
                       max_mamba_cache_size=80, mem_fraction_static=0.85, max_running_requests=48,
                       extra_server_args=["--tp-size", "1"])
-    argv = build_command(cfg, "/dev/shm/m", 30001, "k" * 16)
-    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    argv = build_command(cfg, "/dev/shm/m", 30001)
+    assert argv[1:3] == ["-m", "sglang.launch_server"] and "--api-key" not in argv
     pairs = dict(zip(argv[3::1], argv[4::1]))
-    for flag, value in {"--model-path": "/dev/shm/m", "--port": "30001", "--api-key": "k" * 16,
+    for flag, value in {"--model-path": "/dev/shm/m", "--port": "30001",
                         "--reasoning-parser": "qwen3", "--speculative-algorithm": "NEXTN",
                         "--speculative-num-steps": "3", "--speculative-eagle-topk": "1",
                         "--speculative-num-draft-tokens": "4", "--max-mamba-cache-size": "80",
@@ -154,8 +154,7 @@ def test_sglang_and_vllm_commands_carry_the_launch_options(make_config):
                         "--host": "127.0.0.1", "--tp-size": "1"}.items():
         assert pairs[flag] == value, flag
     assert "--enable-metrics" in argv
-    vllm = build_command(cfg.model_copy(update={"engine": "vllm", "max_mamba_cache_size": None}),
-                         "/m", 30001, None)
+    vllm = build_command(cfg.model_copy(update={"engine": "vllm", "max_mamba_cache_size": None}), "/m", 30001)
     assert vllm[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert vllm[vllm.index("--max-num-seqs") + 1] == "48"
     assert '"method": "mtp"' in vllm[vllm.index("--speculative-config") + 1]
@@ -263,11 +262,43 @@ def test_serve_dry_run_prints_the_plan_and_starts_nothing(make_config, fake_smi,
     assert [(s["index"], s["port"], s["cuda_visible_devices"]) for s in doc["servers"]] == [
         (0, cfg.servers.base_port, "2,3"), (1, cfg.servers.base_port + 1, "4,5")]
     argv = doc["servers"][0]["argv"]
-    assert argv[1:3] == ["-m", "sglang.launch_server"] and "a-secret-key-1234" not in out.stdout
+    assert argv[1].endswith("with_key.py") and argv[2] == "sglang.launch_server"  # as the process will show it
+    assert "a-secret-key-1234" not in out.stdout and "--api-key" not in argv
     assert not RunLayout(cfg.output).servers_state.exists()
     assert processes_with_args("--port", str(cfg.servers.base_port)) == []
     assert run_preflight(cfg, code=False).info["servers"] == doc["servers"]
 
+
+
+def test_the_key_is_on_no_command_line_and_the_server_still_requires_it(make_config):
+    """Every local user of a node reads /proc/PID/cmdline: no process of a server (its wrapper,
+    the server, its children, the log relay) shows the key there, and the server refuses a
+    request without it."""
+    import httpx
+
+    key = "regen-argv-test-key-" + "q7" * 10
+    cfg = make_config(num_servers=1, api_key=key, extra_server_args=["--sim-orphan-child"])
+    records = start_servers(cfg, cfg.model_path)
+    try:
+        cmdlines = [p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline") if _readable(p)]
+        assert not [c for c in cmdlines if key.encode() in c]
+        assert any(b"with_key.py" in c and b"--port" in c for c in cmdlines)  # the server is up, wrapped
+        url = records[0].url
+        assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code == 200
+        children = [pid for pid in session_pids(records[0].pid) if pid != records[0].pid]
+        assert children  # the simulator's child, started after the key was taken out of the environment
+        assert all(key.encode() not in Path(f"/proc/{pid}/environ").read_bytes() for pid in children)
+    finally:
+        stop_servers(RunLayout(cfg.output))
+
+
+def _readable(path: Path) -> bool:
+    try:
+        path.read_bytes()
+        return True
+    except OSError:
+        return False
 
 
 def test_keys_are_never_put_where_others_can_read_them(tmp_path, monkeypatch):

@@ -248,14 +248,13 @@ def check_engine(cfg: RunConfig, report: PreflightReport) -> None:
     """Parser names and launch flags as the engine installed here (``engine_python``) knows
     them: preflight passing must mean the launch on the GPU node parses."""
     from regen.engines.installed import ask_engine
-    from regen.servers.lifecycle import launch_args
-    from regen.servers.records import KEY_PLACEHOLDER
+    from regen.servers.lifecycle import build_command
 
     adapter = engine(cfg.engine)
     if cfg.engine != "sim" and cfg.servers.engine_python and not Path(cfg.servers.engine_python).is_file():
         report.problems.append(f"engine_python {cfg.servers.engine_python}: not found")
         return
-    installed = ask_engine(cfg, launch_args(cfg, cfg.model_path, cfg.servers.base_port, KEY_PLACEHOLDER))
+    installed = ask_engine(cfg, build_command(cfg, cfg.model_path, cfg.servers.base_port))
     report.info["engine"] = installed.source
     named = False
     for option, known in (("reasoning_parser", installed.reasoning_parsers),

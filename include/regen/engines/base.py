@@ -51,7 +51,18 @@ class Engine:
     def python(self, cfg: RunConfig) -> str:
         return cfg.servers.engine_python or sys.executable
 
-    def launch_argv(self, cfg: RunConfig, model_path: str, port: int, api_key: str | None) -> list[str]:
+    def launch_argv(self, cfg: RunConfig, model_path: str, port: int) -> list[str]:
+        """The server's command: what is recorded and compared, and what the engine's own parser
+        checks at preflight. It never holds the key (:meth:`server_argv`, :meth:`key_env`)."""
+        raise NotImplementedError
+
+    def server_argv(self, launch: list[str]) -> list[str]:
+        """The command line the server process runs with (a wrapper that hands it the key, where
+        the engine reads its key only from its arguments)."""
+        return launch
+
+    def key_env(self, api_key: str) -> dict[str, str]:
+        """The environment that gives the server its key."""
         raise NotImplementedError
 
     def launch_env(self, gpu: str | None) -> dict[str, str]:

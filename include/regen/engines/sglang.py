@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from regen.config import RunConfig
 from regen.engines.base import Engine, flag, parallel_flags
+
+WITH_KEY = Path(__file__).with_name("with_key.py")
 
 
 class SGLang(Engine):
@@ -35,10 +39,9 @@ class SGLang(Engine):
     def module_argv(self, cfg: RunConfig) -> list[str]:
         return [self.python(cfg), "-m", "sglang.launch_server"]
 
-    def launch_argv(self, cfg: RunConfig, model_path: str, port: int, api_key: str | None) -> list[str]:
+    def launch_argv(self, cfg: RunConfig, model_path: str, port: int) -> list[str]:
         argv = self.module_argv(cfg)
         argv += ["--model-path", model_path, "--host", cfg.servers.host, "--port", str(port), "--enable-metrics"]
-        argv += flag("--api-key", api_key)
         argv += flag("--reasoning-parser", cfg.engine_options.reasoning_parser)
         argv += flag("--tool-call-parser", cfg.engine_options.tool_call_parser)
         argv += flag("--speculative-algorithm", cfg.engine_options.speculative_algorithm)
@@ -52,6 +55,16 @@ class SGLang(Engine):
         argv += parallel_flags(cfg, "--tp-size", "--dp-size")
         argv += flag("--random-seed", cfg.sampling.seed)
         return argv + self.own_flags(cfg) + list(cfg.servers.extra_server_args)
+
+    def server_argv(self, launch: list[str]) -> list[str]:
+        """SGLang reads its key only from `--api-key`: regen's wrapper puts it there inside the
+        process (regen.engines.with_key), from the environment."""
+        python, dash_m, module, *args = launch
+        assert dash_m == "-m", launch
+        return [python, str(WITH_KEY), module, *args]
+
+    def key_env(self, api_key: str) -> dict[str, str]:
+        return {"REGEN_SERVER_API_KEY": api_key}
 
     def own_flags(self, cfg: RunConfig) -> list[str]:
         return []

@@ -44,10 +44,9 @@ class VLLM(Engine):
     metric_prefix = "vllm"
     metric_names = {"num_requests_running": "running", "num_requests_waiting": "queued"}
 
-    def launch_argv(self, cfg: RunConfig, model_path: str, port: int, api_key: str | None) -> list[str]:
+    def launch_argv(self, cfg: RunConfig, model_path: str, port: int) -> list[str]:
         argv = [self.python(cfg), "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
                 "--host", cfg.servers.host, "--port", str(port)]
-        argv += flag("--api-key", api_key)
         argv += flag("--reasoning-parser", cfg.engine_options.reasoning_parser)
         if cfg.engine_options.tool_call_parser:  # vLLM parses tool calls only with auto tool choice on
             argv += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.engine_options.tool_call_parser]
@@ -62,6 +61,9 @@ class VLLM(Engine):
                 spec["num_speculative_tokens"] = cfg.engine_options.speculative_num_steps
             argv += ["--speculative-config", json.dumps(spec)]
         return argv + list(cfg.servers.extra_server_args)
+
+    def key_env(self, api_key: str) -> dict[str, str]:
+        return {"VLLM_API_KEY": api_key}  # vLLM's own: its server reads it when --api-key is not given
 
     def launch_env(self, gpu: str | None) -> dict[str, str]:
         """On the CPU, the model runs inside the engine-core process. vLLM's default there is a

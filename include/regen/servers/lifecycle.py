@@ -35,7 +35,7 @@ from regen.machine import node_name
 from regen.manifest import Manifest, model_fingerprint
 from regen.results import PlannedServer, ServerLogs, ServerPlan, ServersStopped, ServersUp
 from regen.servers.gpus import server_devices
-from regen.servers.records import KEY_PLACEHOLDER, ServerRecord, read_state, write_state
+from regen.servers.records import ServerRecord, read_state, write_state
 
 log = logging.getLogger("regen.servers")
 
@@ -44,15 +44,19 @@ class ServerError(RegenError):
     """A server that could not be started or stopped; the message says which and why."""
 
 
-def build_command(cfg: RunConfig, model_path: str, port: int, api_key: str | None) -> list[str]:
-    """The launch argv of one server, from the engine's adapter. A list, never a shell string."""
-    return engine(cfg.engine).launch_argv(cfg, model_path, port, api_key)
+def build_command(cfg: RunConfig, model_path: str, port: int) -> list[str]:
+    """The launch argv of one server, from the engine's adapter: a list, never a shell string,
+    and never the key (it reaches the server through its environment)."""
+    return engine(cfg.engine).launch_argv(cfg, model_path, port)
 
 
-def server_env(gpu: str | int | None, engine_env: dict[str, str] | None = None) -> dict[str, str]:
+def server_env(gpu: str | int | None, engine_env: dict[str, str] | None = None,
+               key_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The node's environment, with the engine's defaults under it, the server's GPUs and its key."""
     env = dict(os.environ)
     for name, value in (engine_env or {}).items():
         env.setdefault(name, value)
+    env.update(key_env or {})
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -96,18 +100,13 @@ def node_lock(layout: RunLayout):
         yield
 
 
-def launch_args(cfg: RunConfig, model_path: str, port: int, api_key: str | None) -> list[str]:
-    """The argv a server of this config is launched with, its key replaced by a placeholder."""
-    return build_command(cfg, model_path, port, KEY_PLACEHOLDER if api_key else None)
-
-
 def plan(cfg: RunConfig, model_path: str | None = None) -> ServerPlan:
     """What start_servers would launch on this node, started nowhere: each server's port, GPUs
-    and argv (every server gets a key: shown as a placeholder)."""
-    model_path = model_path or cfg.model_path
+    and command line (as the process will show it: without its key)."""
+    model_path, adapter = model_path or cfg.model_path, engine(cfg.engine)
     return ServerPlan(servers=[
         PlannedServer(index=index, port=cfg.servers.base_port + index, cuda_visible_devices=devices,
-                      argv=launch_args(cfg, model_path, cfg.servers.base_port + index, KEY_PLACEHOLDER))
+                      argv=adapter.server_argv(build_command(cfg, model_path, cfg.servers.base_port + index)))
         for index, devices in enumerate(server_devices(cfg))])
 
 
@@ -116,7 +115,7 @@ def mismatch(record: ServerRecord, cfg: RunConfig, model_path: str, fingerprint:
     if record.model_fingerprint != fingerprint:
         return (f"it serves model {record.model_fingerprint} ({record.model_path}), this run "
                 f"{fingerprint} ({model_path})")
-    wanted = launch_args(cfg, model_path, record.port, record.api_key)
+    wanted = build_command(cfg, model_path, record.port)
     if record.launch != wanted:
         changed = sorted(set(wanted) ^ set(record.launch or []))[:6]
         return f"it was launched with other arguments (differing: {' '.join(changed)})"
@@ -179,9 +178,10 @@ def relaunch(layout: RunLayout, index: int) -> ServerRecord | None:
         record = next((r for r in refuse_other_nodes(records) if r.index == index), None)
         if record is None or record.running() or procs.session_pids(record.pid):
             return record
-        argv = [record.api_key if arg == KEY_PLACEHOLDER else arg for arg in record.launch or []]
-        proc = procs.spawn(argv, Path(record.log_path), server_env(record.gpu, record.env), layout.servers,
-                            record.api_key)
+        adapter = engine(record.engine)
+        proc = procs.spawn(adapter.server_argv(record.launch or []), Path(record.log_path),
+                           server_env(record.gpu, record.env, adapter.key_env(record.api_key or "")),
+                           layout.servers, record.api_key)
         record.pid, record.start_ticks = proc.pid, procs.start_ticks(proc.pid)
         write_state(layout, records)
         log.info("server %d relaunched: pid %d, port %d", index, proc.pid, record.port)
@@ -217,15 +217,16 @@ def _launch(cfg: RunConfig, layout: RunLayout, model_path: str, fingerprint: str
             records: list[ServerRecord], lease: Lease) -> list[ServerRecord]:
     started: list[tuple[ServerRecord, subprocess.Popen]] = []
     try:
+        adapter = engine(cfg.engine)
         for index, gpu, port in to_launch:
-            argv = build_command(cfg, model_path, port, api_key)
+            launch = build_command(cfg, model_path, port)
             log_path = layout.server_log(index)
-            env = engine(cfg.engine).launch_env(gpu)
-            proc = procs.spawn(argv, log_path, server_env(gpu, env), layout.servers, api_key)
+            env = adapter.launch_env(gpu)
+            proc = procs.spawn(adapter.server_argv(launch), log_path, server_env(gpu, env, adapter.key_env(api_key)),
+                               layout.servers, api_key)
             record = ServerRecord(index, gpu, cfg.servers.host, port, proc.pid, str(log_path), api_key,
-                                  procs.start_ticks(proc.pid), node_name(), run_id,
-                                  launch_args(cfg, model_path, port, api_key), model_path, fingerprint,
-                                  env=env or None)
+                                  procs.start_ticks(proc.pid), node_name(), run_id, launch, model_path,
+                                  fingerprint, env=env or None, engine=cfg.engine)
             log.info("server %d: pid %d, port %d%s, log %s", index, proc.pid, port,
                      f", GPU {gpu}" if gpu is not None else "", log_path)
             started.append((record, proc))

@@ -22,9 +22,6 @@ from regen.files import atomic_write_json
 from regen.layout import RunLayout
 from regen.machine import node_name
 
-KEY_PLACEHOLDER = "<api-key>"
-
-
 @dataclass
 class ServerRecord:
     index: int
@@ -37,11 +34,12 @@ class ServerRecord:
     start_ticks: int | None = None
     node: str = ""
     owner: str = ""
-    launch: list[str] | None = None  # the argv with the key replaced by KEY_PLACEHOLDER
+    launch: list[str] | None = None  # the launch argv (it never holds the key: the environment does)
     model_path: str = ""
     model_fingerprint: str | None = None
     served_model: str | None = None  # the name /v1/models gave once the server was healthy
     env: dict[str, str] | None = None  # the engine's launch environment (a relaunch reuses it)
+    engine: str = ""  # the engine adapter that launched it (a relaunch hands it its key the same way)
 
     @property
     def url(self) -> str:
