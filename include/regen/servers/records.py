@@ -22,6 +22,7 @@ from regen.files import atomic_write_json
 from regen.layout import RunLayout
 from regen.machine import node_name
 
+
 @dataclass
 class ServerRecord:
     index: int
