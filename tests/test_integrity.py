@@ -295,3 +295,61 @@ def test_a_cut_history_line_does_not_hide_the_run(tmp_path):
     out = subprocess.run([str(BIN / "regen"), "progress", "--output", str(layout.root)], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("cut_line", [b'{"id": "c", "tex', b'{"id": "c", "text": "' + b"x" * 200_000])
+def test_a_cut_journal_line_is_dropped_without_reading_the_journal_whole(tmp_path, monkeypatch, cut_line):
+    """A kill mid-append leaves a cut last line (here also one longer than a read block): it is
+    dropped, every whole line kept, the next append starts a fresh line; the repair reads only
+    blocks from the end."""
+    from regen import store
+
+    path = tmp_path / "journal.jsonl"
+    whole = b"".join(json.dumps({"id": f"r{i}", "text": "y" * 500}).encode() + b"\n" for i in range(2000))
+    path.write_bytes(whole + cut_line)
+    reads: list[int] = []
+    real_open = open
+
+    class Counting:
+        def __init__(self, fh):
+            self.fh = fh
+
+        def read(self, size=-1):
+            reads.append(size)
+            return self.fh.read(size)
+
+        def __getattr__(self, name):
+            return getattr(self.fh, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+    monkeypatch.setattr(store, "open", lambda p, mode="r", *a, **k: Counting(real_open(p, mode, *a, **k))
+                        if mode == "rb+" else real_open(p, mode, *a, **k), raising=False)
+    journal = Journal(path)
+    journal.append({"id": "d", "text": "z"})
+    journal.close()
+    assert path.read_bytes() == whole + json.dumps({"id": "d", "text": "z"}).encode() + b"\n"
+    assert reads and all(0 <= size <= store.REPAIR_BLOCK for size in reads)
+
+
+def test_prompts_appended_while_preflight_reads_them_are_never_silently_left_out(make_config, tmp_path):
+    """A prompt file still being written: lines appended while the index is built may be missing
+    from it, so that index is not recorded as describing the file; the next preflight takes all."""
+    from regen.manifest import PromptIndexWriter
+    from regen.prompts import read_prompts
+
+    cfg = make_config(prompts=str(write_prompts(tmp_path / "p.jsonl", 10)))
+    index = PromptIndexWriter(cfg)
+    for item in read_prompts(cfg.prompts):
+        index.feed(item)
+    with open(cfg.prompts, "a") as fh:
+        fh.write(json.dumps({"id": "late", "prompt": "Appended while preflight read the file?"}) + "\n")
+    with pytest.raises(ManifestError, match="changed while it was read"):
+        Manifest(cfg.layout).write_prompts(cfg, index, "run")
+    assert Manifest(cfg.layout).current_for(cfg) is None
+    run("preflight", cfg, code=False)
+    assert Manifest(cfg.layout).current_for(cfg)["prompts"]["count"] == 11

@@ -94,6 +94,9 @@ class PromptIndexWriter:
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
+        # The file as it was when reading began: what the index describes (a line appended while
+        # it is read may or may not be in it, so a file that changed meanwhile is not described).
+        self.source_stat = prompt_file_stat(cfg.prompts)
         self.kwargs = template_kwargs(cfg)
         self.columns: dict[str, list] = {name: [] for name in INDEX_SCHEMA_FIELDS}
         self.first_line: dict[str, int] = {}
@@ -174,10 +177,14 @@ class Manifest:
         return doc
 
     def write_prompts(self, cfg: RunConfig, index: PromptIndexWriter, run_id: str) -> dict[str, Any]:
+        now = prompt_file_stat(cfg.prompts)
+        if now != index.source_stat:
+            raise ManifestError(f"prompts {cfg.prompts}: changed while it was read ({index.source_stat['size']:,} -> "
+                                f"{now['size']:,} bytes): run again once the file is complete")
         count = index.write(self.layout)
         return self.update(run_id=run_id, num_shards=cfg.generation.num_shards, sampling=cfg.sampling_settings(),
                            index_version=INDEX_VERSION,
-                           prompts={**prompt_file_stat(cfg.prompts), "count": count,
+                           prompts={**index.source_stat, "count": count,
                                     "chat_template_kwargs": template_kwargs(cfg),
                                     "unreadable": index.unreadable,
                                     "unreadable_count": index.unreadable_count})

@@ -28,6 +28,7 @@ from regen.turns import resumed_answers
 
 log = logging.getLogger("regen.store")
 
+REPAIR_BLOCK = 1 << 16
 
 
 class Journal:
@@ -41,16 +42,26 @@ class Journal:
         self._fh = open(path, "ab")
 
     def _repair(self) -> None:
-        """Drop a line cut short by a kill, so the next append starts on a fresh line."""
+        """Drop a line cut short by a kill, so the next append starts on a fresh line. Reads
+        back from the end a block at a time (a journal of a long shard runs to gigabytes: it is
+        never read whole)."""
         if not self.path.exists() or self.path.stat().st_size == 0:
             return
         with open(self.path, "rb+") as fh:
-            fh.seek(-1, os.SEEK_END)
+            end = fh.seek(0, os.SEEK_END)
+            fh.seek(end - 1)
             if fh.read(1) == b"\n":
                 return
-            fh.seek(0)
-            data = fh.read()
-            fh.truncate(data.rfind(b"\n") + 1)
+            cut = end
+            while cut > 0:
+                start = max(0, cut - REPAIR_BLOCK)
+                fh.seek(start)
+                newline = fh.read(cut - start).rfind(b"\n")
+                if newline >= 0:
+                    fh.truncate(start + newline + 1)
+                    return
+                cut = start
+            fh.truncate(0)
 
     def append(self, row: dict) -> None:
         self._fh.write(json.dumps(row, ensure_ascii=False).encode() + b"\n")
