@@ -115,6 +115,8 @@ def normalized(doc, cfg):
                 value = value.replace(str(cfg.servers.base_port + i), f"<port{i}>")
             value = re.sub(r"pid \d+", "pid <pid>", value)
             return value.replace(cfg.output, "<output>").replace(cfg.staging_dir, "<staging>")
+        if key == "port" and isinstance(value, int):  # the server plan preflight reports
+            return f"<port{value - cfg.servers.base_port}>"
         return value
 
     return walk(doc)

@@ -173,5 +173,6 @@ def probe(cfg: RunConfig, run_id: str | None = None) -> CanaryReport:
         passed=True, samples=len(result.rows), estimate=result.estimate,
         examples=[{"id": r["id"], "turns": len(r.get("turns") or [1]),
                    "reasoning_content": (r["reasoning_content"] or "")[:EXAMPLE_CHARS],
-                   "content": (r["content"] or "")[:EXAMPLE_CHARS]} for r in result.rows[:3]],
+                   "content": (r["content"] or "")[:EXAMPLE_CHARS]}
+                  for r in sorted(result.rows, key=lambda r: r["id"])[:3]],  # the same three, however they finished
         summary=f"canary passed: {len(result.rows)} samples; estimate: {result.estimate.get('text', 'n/a')}")
