@@ -16,7 +16,7 @@ from pathlib import Path
 from regen.audit.dataset import audit_rows
 from regen.audit.findings import AuditThresholds
 from regen.config import RunConfig
-from regen.coordination import hold_for_approval
+from regen.coordination import end_approval_hold, hold_for_approval
 from regen.errors import RegenError
 from regen.generate import generate_rows
 from regen.placement import servers_for
@@ -164,11 +164,13 @@ EXAMPLE_CHARS = 600  # of each example's reasoning and answer, for a person appr
 def probe(cfg: RunConfig, run_id: str | None = None) -> CanaryReport:
     """The canary stage, against the servers start_servers recorded (with ``run_id``, brought up
     here when they are gone, as a shard does)."""
-    result = run_canary(cfg, [(r.url, r.api_key) for r in servers_for(cfg, run_id)])
-    if result.problems:
-        raise CanaryFailed("\n".join(result.problems))
-    if cfg.canary.approve:  # a person decides next: the servers wait for the answer
+    servers = servers_for(cfg, run_id)
+    if cfg.canary.approve:  # a person decides after it: the servers wait, through the canary's checks too
         hold_for_approval(cfg.layout, run_id or "cli")
+    result = run_canary(cfg, [(r.url, r.api_key) for r in servers])
+    if result.problems:
+        end_approval_hold(cfg.layout)
+        raise CanaryFailed("\n".join(result.problems))
     return CanaryReport(
         passed=True, samples=len(result.rows), estimate=result.estimate,
         examples=[{"id": r["id"], "turns": len(r.get("turns") or [1]),
