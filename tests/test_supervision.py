@@ -394,5 +394,7 @@ def test_a_lease_read_while_it_is_renewed_still_counts(tmp_path):
     with Lease(layout, "shard-00003", "run", demand=10) as lease:
         lease.path.write_text("")  # the instant between two writes of another implementation
         assert [(entry["name"], entry["demand"]) for entry in live_leases(layout)] == [("shard-00003", 0)]
+        lease.path.write_text('{"name": "shard-0000')  # caught mid-write: held, so live all the same
+        assert [(entry["name"], entry["demand"]) for entry in live_leases(layout)] == [("shard-00003", 0)]
         lease.renew(674)
         assert [(entry["name"], entry["demand"]) for entry in live_leases(layout)] == [("shard-00003", 674)]

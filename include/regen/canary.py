@@ -62,6 +62,9 @@ def first_prompts(path: str | Path, count: int) -> tuple[list[Prompt], int]:
     return chosen, total
 
 
+WARM_UP_TOKENS = 8
+
+
 def _rates(rows: list[dict]) -> list[tuple[float, float]]:
     """(tokens, tokens a second) of each good conversation, all its turns together."""
     out = []
@@ -114,6 +117,9 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
     # repeated to fill every decoding slot: on a batching server that costs about one request's
     # time): the batching curve's two ends. Every prompt's first answer is checked.
     servers = len(endpoints)
+    # A server's first request pays one-time costs (template compilation, caches, graph capture on
+    # a GPU): a short one per server first, unmeasured, so that "alone" measures decoding.
+    generate_rows(quick.model_copy(update={"max_tokens": WARM_UP_TOKENS}), prompts[:servers], endpoints)
     alone, slots = generate_rows(quick, prompts[:servers], endpoints)
     rest = prompts[servers:] or prompts
     decoding = max(slots - servers * cfg.generation.queue_margin, len(rest))

@@ -105,12 +105,16 @@ def live_leases(layout: RunLayout, stale_after_s: float = STALE_AFTER_S) -> list
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # held: the holder is alive
             try:
-                info = json.loads(os.pread(fd, 65536, 0) or b"{}")
                 age = now - os.fstat(fd).st_mtime
-            except (OSError, ValueError):
+            except OSError:
                 continue
-            if age <= stale_after_s and isinstance(info, dict):
-                found.append({"demand": 0, **info, "name": path.stem, "age_s": round(age, 1)})
+            try:  # caught mid-renewal, the text may not parse: the lease is live all the same
+                info = json.loads(os.pread(fd, 65536, 0) or b"{}")
+            except (OSError, ValueError):
+                info = {}
+            if age <= stale_after_s:
+                found.append({"demand": 0, **(info if isinstance(info, dict) else {}), "name": path.stem,
+                              "age_s": round(age, 1)})
         except OSError as exc:
             log.warning("lease %s cannot be tested (%s): skipped", path, exc.strerror or exc)
         finally:

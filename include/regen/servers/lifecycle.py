@@ -216,6 +216,8 @@ def _launch(cfg: RunConfig, layout: RunLayout, model_path: str, fingerprint: str
             api_key: str, to_launch: list[tuple[int, str | None, int]],
             records: list[ServerRecord], lease: Lease) -> list[ServerRecord]:
     started: list[tuple[ServerRecord, subprocess.Popen]] = []
+    # Before the first server: a starter killed at any point after this leaves nothing unwatched.
+    ensure_watchdog(layout, cfg.servers.idle_shutdown_s)
     try:
         adapter = engine(cfg.engine)
         for index, gpu, port in to_launch:
@@ -233,7 +235,6 @@ def _launch(cfg: RunConfig, layout: RunLayout, model_path: str, fingerprint: str
             records.append(record)
         records.sort(key=lambda r: r.index)
         write_state(layout, records)
-        ensure_watchdog(layout, cfg.servers.idle_shutdown_s)  # from the first record: nothing unwatched
         wait_healthy(started, cfg.servers.startup_timeout_s, lease.renew)
         for record, _ in started:
             record.served_model = served_model_name(record)

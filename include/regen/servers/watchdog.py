@@ -12,7 +12,9 @@ failed from outside, a killed worker, a teardown that never ran. Every ``poll_s`
   run waiting for a person's approval after its canary counts as using them (until it is
   answered, at most a day).
 
-It also exits when no server is recorded any more (a teardown ran).
+It is started before the first server, so a starter killed at any moment leaves nothing
+unwatched; it exits when no server is recorded any more (a teardown ran), or none ever was and
+nobody holds a lease (the starter died before launching one).
 
     python -m regen.servers.watchdog --output DIR [--idle-shutdown-s S]
 """
@@ -39,10 +41,15 @@ FIRST_PAUSE_S = 5.0
 def watch(layout: RunLayout, idle_shutdown_s: float | None, poll_s: float = 1.0) -> str:
     last_active = time.monotonic()
     restarts: dict[int, tuple[int, float]] = {}  # server index -> (restarts so far, not before)
+    seen = False
     while True:
         recorded = read_state(layout)
         if not recorded:
-            return "no server recorded any more"
+            if seen or not live_leases(layout):
+                return "no server recorded any more"
+            time.sleep(poll_s)  # started before the first server: its starter (a lease) records it
+            continue
+        seen = True
         records = [r for r in recorded if r.is_here()]
         if not records:  # started on a node that is not this one: nothing here to watch
             return f"the servers are recorded on node {', '.join(sorted({r.node for r in recorded}))}"
