@@ -167,6 +167,8 @@ def start_servers(cfg: RunConfig, model_path: str, run_id: str = "cli",
         # this process dies meanwhile, the lease dies with it and the watchdog stops them.
         with Lease(layout, "start-servers", run_id) as lease:
             launched = _launch(cfg, layout, model_path, fingerprint, run_id, api_key, to_launch, records, lease)
+        # Again after the launch: a watchdog that _launch found alive may have been on its way out
+        # (its servers had just been torn down) and exited since.
         ensure_watchdog(layout, cfg.servers.idle_shutdown_s)
     return launched
 
