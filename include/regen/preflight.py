@@ -245,27 +245,12 @@ def check_model(cfg: RunConfig, report: PreflightReport) -> None:
 
 
 def check_engine(cfg: RunConfig, report: PreflightReport) -> None:
-    """Parser names and launch flags as the engine installed here (``engine_python``) knows
-    them: preflight passing must mean the launch on the GPU node parses."""
-    from regen.engines.installed import ask_engine
-    from regen.servers.lifecycle import build_command
-
+    """The engine's interpreter, its parsers and launch flags, and options it would ignore."""
     adapter = engine(cfg.engine)
     if cfg.engine != "sim" and cfg.servers.engine_python and not Path(cfg.servers.engine_python).is_file():
         report.problems.append(f"engine_python {cfg.servers.engine_python}: not found")
-        return
-    installed = ask_engine(cfg, build_command(cfg, cfg.model_path, cfg.servers.base_port))
-    report.info["engine"] = installed.source
-    named = False
-    for option, known in (("reasoning_parser", installed.reasoning_parsers),
-                          ("tool_call_parser", installed.tool_call_parsers)):
-        value = cfg.flat_value(option)
-        if value and value not in known:
-            named = True
-            report.problems.append(f"{option} {value!r}: {installed.source} has no such parser "
-                                   f"(valid: {', '.join(sorted(known))})")
-    if installed.launch_error and not named:
-        report.problems.append(f"the launch command is refused by {installed.source}: {installed.launch_error}")
+    else:  # the other checks below still run: every problem is listed at once
+        check_installed_engine(cfg, report)
     if cfg.enable_thinking and not cfg.engine_options.reasoning_parser:
         report.problems.append("reasoning_parser: empty while enable_thinking is on; the thinking "
                                "trace would stay inside content")
@@ -278,6 +263,26 @@ def check_engine(cfg: RunConfig, report: PreflightReport) -> None:
         report.problems.append(
             f"concurrency_per_server {cfg.generation.concurrency_per_server} is above max_running_requests "
             f"{cfg.engine_options.max_running_requests}: the extra requests would only queue")
+
+
+def check_installed_engine(cfg: RunConfig, report: PreflightReport) -> None:
+    """Parser names and launch flags as the engine installed here (``engine_python``) knows
+    them: preflight passing must mean the launch on the GPU node parses."""
+    from regen.engines.installed import ask_engine
+    from regen.servers.lifecycle import build_command
+
+    installed = ask_engine(cfg, build_command(cfg, cfg.model_path, cfg.servers.base_port))
+    report.info["engine"] = installed.source
+    named = False
+    for option, known in (("reasoning_parser", installed.reasoning_parsers),
+                          ("tool_call_parser", installed.tool_call_parsers)):
+        value = cfg.flat_value(option)
+        if value and value not in known:
+            named = True
+            report.problems.append(f"{option} {value!r}: {installed.source} has no such parser "
+                                   f"(valid: {', '.join(sorted(known))})")
+    if installed.launch_error and not named:
+        report.problems.append(f"the launch command is refused by {installed.source}: {installed.launch_error}")
 
 
 def check_space(cfg: RunConfig, report: PreflightReport) -> None:
