@@ -108,6 +108,13 @@ def problems_for(make_config, **overrides):
     return run_preflight(make_config(**overrides), code=False).problems
 
 
+def test_a_missing_engine_interpreter_hides_no_other_engine_problem(make_config, tmp_path):
+    problems = problems_for(make_config, engine="sglang", engine_python=str(tmp_path / "no-python"),
+                            reasoning_parser=None)
+    assert f"engine_python {tmp_path / 'no-python'}: not found" in problems
+    assert any(p.startswith("reasoning_parser: empty while enable_thinking is on") for p in problems)
+
+
 def test_a_clean_config_has_no_problem(make_config):
     assert problems_for(make_config) == []
 
