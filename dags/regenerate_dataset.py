@@ -40,47 +40,52 @@ SHARD_POOL = shard_pool()
 SHARD_RETRIES, SHARD_RETRY_DELAY_S = shard_retries()
 
 
-def _run(name: str, params, **kwargs):
+def _run(name: str, **kwargs):
     """The stage ``name`` of this run, where regen.pipeline places it; owned by this DAG run
-    (its servers), whoever clears or retries it. Imported here: nothing heavy at parse time."""
+    (its servers), whoever clears or retries it. The run's config is the deployment's with the
+    conf's run fields over it: a conf that changes a deployment field fails here, before the
+    stage runs (regen.config.deployment). Imported here: nothing heavy at parse time."""
     from airflow.sdk.log import mask_secret
 
-    from regen.config import RunConfig
+    from regen.dags.definitions import triggered_config
     from regen.pipeline import run
 
-    if params.get("api_key"):  # Airflow masks no Param by itself: the key is redacted from task logs
-        mask_secret(params["api_key"], "api_key")
     context = get_current_context()
-    return run(name, RunConfig.from_mapping(dict(params), source="params"),
-               run_id=f"{context['dag'].dag_id}/{context['run_id']}", **kwargs)
+    conf = dict(context["dag_run"].conf or {})
+    if conf.get("api_key"):  # refused below; masked first, as Airflow masks no conf value by itself
+        mask_secret(str(conf["api_key"]), "api_key")
+    cfg = triggered_config(context["dag"].dag_id, conf)
+    if cfg.servers.api_key:
+        mask_secret(cfg.servers.api_key, "api_key")
+    return run(name, cfg, run_id=f"{context['dag'].dag_id}/{context['run_id']}", **kwargs)
 
 
 @task(retries=0)
-def preflight(dag_nodes: list[str], dag_queue: str | None, params=None) -> list[int]:
+def preflight(dag_nodes: list[str], dag_queue: str | None) -> list[int]:
     from airflow.configuration import conf
 
-    return _run("preflight", params, dag_nodes=dag_nodes, dag_queue=dag_queue,
+    return _run("preflight", dag_nodes=dag_nodes, dag_queue=dag_queue,
                 max_map_length=conf.getint("core", "max_map_length")).shards
 
 
 @task(retries=1, retry_delay=timedelta(seconds=10))
-def stage_weights(shards: list[int], node: str, params=None) -> str:
+def stage_weights(shards: list[int], node: str) -> str:
     from airflow.exceptions import AirflowSkipException
 
     if not shards:  # a scheduled run with nothing new: no weights, no servers, no requests
         raise AirflowSkipException("the dataset is up to date (see preflight); nothing to regenerate")
-    return _run("stage_weights", params, node=node).path
+    return _run("stage_weights", node=node).path
 
 
 @task(retries=0)
-def start_servers(served_model_path: str, node: str, params=None) -> list[str]:
-    return _run("start_servers", params, node=node, served_model_path=served_model_path).urls
+def start_servers(served_model_path: str, node: str) -> list[str]:
+    return _run("start_servers", node=node, served_model_path=served_model_path).urls
 
 
 @task(retries=0)
-def canary(params=None) -> dict:
+def canary() -> dict:
     """The canary on every node: a misconfigured node fails the run before the shards start."""
-    return _run("canary", params).model_dump(mode="json")
+    return _run("canary").model_dump(mode="json")
 
 
 @task.branch(retries=0)
@@ -111,14 +116,14 @@ def generate(shard: int, params=None) -> str:
     context = get_current_context()
     context["shard_label"] = f"shard {shard}/{params['num_shards']}"
     estimate = (context["ti"].xcom_pull(task_ids="canary") or {}).get("estimate")
-    return _run("generate", params, shard=shard, strict_index=True, deadline_s=shard_deadline_s(estimate)).summary
+    return _run("generate", shard=shard, strict_index=True, deadline_s=shard_deadline_s(estimate)).summary
 
 
 @task(retries=0)
-def audit(params=None) -> dict:
+def audit() -> dict:
     """After the run's own servers are stopped (regen.pipeline), the audit; its verdict goes out
     with the dataset's Asset."""
-    result = _run("audit", params)
+    result = _run("audit")
     extra = {"rows": result.rows, "verdict": result.verdict,
              "degenerate_fraction": result.degenerate_fraction, "output": result.output}
     context = get_current_context()
@@ -130,8 +135,8 @@ def audit(params=None) -> dict:
 
 
 @task(retries=1, retry_delay=timedelta(seconds=5))
-def stop_servers(node: str, params=None) -> int:
-    return _run("stop_servers", params, node=node).stopped
+def stop_servers(node: str) -> int:
+    return _run("stop_servers", node=node).stopped
 
 
 def regeneration_dag(run: RunDefinition):
@@ -147,7 +152,7 @@ def regeneration_dag(run: RunDefinition):
         start_date=datetime(2026, 1, 1),
         catchup=False,
         max_active_runs=1,
-        params={name: Param(default, **schema) for name, (default, schema) in param_schemas(run.config).items()},
+        params={name: Param(default, **schema) for name, (default, schema) in param_schemas(run.config, str(run.source or '')).items()},
         doc_md=__doc__ + (f"\n\nDefaults and schedule from `{run.source}`." if run.source else ""),
         tags=["regen", "llm-data"],
         user_defined_filters={"markdown_literal": markdown_literal},

@@ -89,6 +89,22 @@ def sim_servers(make_config):
         assert not any(r.running() for r in records), records
 
 
+@pytest.fixture
+def deployed_dag(tmp_path, monkeypatch):
+    """``regenerate_dataset`` of a deployment whose config file is ``cfg`` (REGEN_CONFIG_DIR set
+    for the test), parsed as a worker parses it: a run then triggers with the run fields it likes."""
+    from support.airflow import deploy, load_dag
+
+    def load(cfg):
+        folder = tmp_path / "regen-configs"
+        folder.mkdir(exist_ok=True)
+        deploy(cfg, folder)
+        monkeypatch.setenv("REGEN_CONFIG_DIR", str(folder))
+        return load_dag()
+
+    return load
+
+
 @pytest.fixture(scope="session")
 def airflow_db():
     """A migrated SQLite metadata DB for this test session (Airflow's own `db migrate`)."""

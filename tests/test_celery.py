@@ -72,7 +72,8 @@ def _cluster(home: Path, found: Services):
     base = f"http://127.0.0.1:{port}"
     try:
         cluster.wait_api(base)
-        yield {"base": base, "procs": cluster.procs, "home": home, "start_worker": start_worker}
+        yield {"base": base, "procs": cluster.procs, "home": home, "start_worker": start_worker,
+               "config_dir": Path(env["REGEN_CONFIG_DIR"])}
     finally:
         cluster.stop()
         found.psql(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
@@ -128,7 +129,7 @@ def dataset_ids(cfg) -> pd.DataFrame:
 def test_two_nodes_split_the_work_by_capacity(cluster, make_config, tmp_path):
     api = httpx.Client(base_url=f"{cluster['base']}/api/v2", timeout=30)
     cfg = two_node_config(make_config, tmp_path, speed=60)
-    run_id = trigger_run(api, cfg, "regenerate_two_nodes")
+    run_id = trigger_run(api, cfg, cluster["config_dir"], "regenerate_two_nodes")
     state = wait_run(api, run_id, 600, "regenerate_two_nodes")
     instances = api.get(f"/dags/regenerate_two_nodes/dagRuns/{run_id}/taskInstances",
                         params={"limit": 100}).json()["task_instances"]
@@ -155,7 +156,7 @@ def test_two_nodes_split_the_work_by_capacity(cluster, make_config, tmp_path):
 def test_two_nodes_one_lost_mid_run(cluster, make_config, tmp_path):
     api = httpx.Client(base_url=f"{cluster['base']}/api/v2", timeout=30)
     cfg = two_node_config(make_config, tmp_path, speed=60)
-    run_id = trigger_run(api, cfg, "regenerate_two_nodes")
+    run_id = trigger_run(api, cfg, cluster["config_dir"], "regenerate_two_nodes")
     b = cfg.for_node("b")
 
     def b_half_way() -> bool:
@@ -197,7 +198,7 @@ def test_two_nodes_one_lost_mid_run(cluster, make_config, tmp_path):
 def test_shards_spread_over_two_workers_and_survive_one_killed(cluster, make_config):
     api = httpx.Client(base_url=f"{cluster['base']}/api/v2", timeout=30)
     cfg = make_config(num_shards=4, num_servers=2, sim_tokens_per_second=60, concurrency_per_server=4)
-    run_id = trigger_run(api, cfg)
+    run_id = trigger_run(api, cfg, cluster["config_dir"])
     tis = f"/dags/regenerate_dataset/dagRuns/{run_id}/taskInstances"
 
     def running_shard():

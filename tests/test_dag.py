@@ -132,9 +132,9 @@ def test_invalid_params_are_refused_with_the_field_named(airflow_db, conf, field
 
 
 @pytest.mark.slow
-def test_dag_run_writes_one_row_per_prompt_and_stops_servers(airflow_db, make_config):
+def test_dag_run_writes_one_row_per_prompt_and_stops_servers(airflow_db, deployed_dag, make_config):
     cfg = make_config(num_shards=3, sim_tokens_per_second=2000)
-    run = load_dag().test(run_conf=_conf(cfg))
+    run = deployed_dag(cfg).test(run_conf=_conf(cfg))
     states = _states(run)
     assert run.state == "success", states
     assert states["generate"] == ["success"] * 3
@@ -154,12 +154,12 @@ def test_dag_run_writes_one_row_per_prompt_and_stops_servers(airflow_db, make_co
 
 
 @pytest.mark.slow
-def test_servers_without_thinking_fail_the_canary_and_teardown_still_stops_them(airflow_db, make_config,
+def test_servers_without_thinking_fail_the_canary_and_teardown_still_stops_them(airflow_db, deployed_dag, make_config,
                                                                                   monkeypatch, tmp_path):
     monkeypatch.setenv("REGEN_ALERT_FILE", str(tmp_path / "alerts.jsonl"))
     cfg = make_config(sim_ignore_thinking=True)
     state_file = f"{cfg.output}/work/servers/servers.json"
-    run = load_dag().test(run_conf=_conf(cfg))
+    run = deployed_dag(cfg).test(run_conf=_conf(cfg))
     states = _states(run)
     assert run.state == "failed"
     assert states["canary"] == ["failed"]
@@ -179,10 +179,10 @@ def test_servers_without_thinking_fail_the_canary_and_teardown_still_stops_them(
 
 
 @pytest.mark.slow
-def test_thinking_lost_after_the_canary_fails_the_run_at_the_audit(airflow_db, make_config):
+def test_thinking_lost_after_the_canary_fails_the_run_at_the_audit(airflow_db, deployed_dag, make_config):
     """The canary passes (the servers think at first), the shards run, the audit catches it."""
     cfg = make_config(extra_server_args=["--sim-ignore-thinking-after", "6"])
-    run = load_dag().test(run_conf=_conf(cfg))
+    run = deployed_dag(cfg).test(run_conf=_conf(cfg))
     states = _states(run)
     assert run.state == "failed"
     assert states["canary"] == ["success"]
@@ -202,9 +202,9 @@ def _sent(cfg) -> int:
 
 
 @pytest.mark.slow
-def test_scheduled_reruns_are_incremental(airflow_db, make_config, tmp_path):
+def test_scheduled_reruns_are_incremental(airflow_db, deployed_dag, make_config, tmp_path):
     cfg = make_config(num_shards=2)
-    dag = load_dag()
+    dag = deployed_dag(cfg)
     assert dag.test(run_conf=_conf(cfg)).state == "success"
     assert _sent(cfg) == 280
     rerun = dag.test(run_conf=_conf(cfg))
@@ -222,7 +222,7 @@ def test_scheduled_reruns_are_incremental(airflow_db, make_config, tmp_path):
     assert len(df) == 380 and df["id"].is_unique
 
 
-def test_the_api_key_is_in_no_log_and_no_file_regen_writes(airflow_db, make_config, tmp_path, capfd, monkeypatch):
+def test_the_api_key_is_in_no_log_and_no_file_regen_writes(airflow_db, deployed_dag, make_config, tmp_path, capfd, monkeypatch):
     """SGLang (and the simulator, as SGLang does) logs its arguments, API key included: after a
     whole run and after a failed server start, neither the task logs nor any file under the
     output holds the key; the server logs hold the redaction mark instead."""
@@ -231,7 +231,7 @@ def test_the_api_key_is_in_no_log_and_no_file_regen_writes(airflow_db, make_conf
     monkeypatch.setenv("REGEN_KEY_DIR", str(tmp_path / "keys"))
     key = "regen-test-key-" + "k3y" * 8
     cfg = make_config(api_key=key, num_shards=2)
-    assert load_dag().test(run_conf=_conf(cfg)).state == "success"
+    assert deployed_dag(cfg).test(run_conf=_conf(cfg)).state == "success"
     # One server: with two, the second may be stopped (the first failed) before it logs anything.
     broken = make_config(api_key=key, output=str(tmp_path / "broken"), num_servers=1)
     (tmp_path / "not-a-model").mkdir()

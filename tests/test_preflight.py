@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from regen.preflight import check_code, run_preflight
+from support.airflow import _conf, deploy
 from support.paths import BIN, ROOT
 from support.processes import processes_with_args
 
@@ -88,11 +89,13 @@ def test_the_dag_fails_at_preflight_before_staging_or_any_server(project_with_se
                                                                   tmp_path):
     copy, generator, line = project_with_seed_bug
     cfg = make_config()
-    env = dict(os.environ, PYTHONPATH=str(copy / "include"),
+    (tmp_path / "regen-configs").mkdir()
+    deploy(cfg, tmp_path / "regen-configs")
+    env = dict(os.environ, PYTHONPATH=str(copy / "include"), REGEN_CONFIG_DIR=str(tmp_path / "regen-configs"),
                AIRFLOW__CORE__DAGS_FOLDER=str(copy / "dags"))
     started = time.monotonic()
     out = subprocess.run([str(BIN / "airflow"), "dags", "test", "regenerate_dataset", "--conf",
-                          cfg.model_dump_json()], capture_output=True, text=True, env=env, timeout=300)
+                          json.dumps(_conf(cfg))], capture_output=True, text=True, env=env, timeout=300)
     elapsed = time.monotonic() - started
     log = out.stdout + out.stderr
     assert out.returncode != 0

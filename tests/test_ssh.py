@@ -278,11 +278,11 @@ def test_preflight_on_the_node_lists_its_problems(node, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_dag_runs_end_to_end_on_the_ssh_node(node, airflow_db):
-    from support.airflow import _conf, _states, assert_no_server_left, load_dag
+def test_the_dag_runs_end_to_end_on_the_ssh_node(node, airflow_db, deployed_dag):
+    from support.airflow import _conf, _states, assert_no_server_left
 
     cfg = node(num_shards=2, sim_tokens_per_second=2000)
-    run = load_dag().test(run_conf=_conf(cfg))
+    run = deployed_dag(cfg).test(run_conf=_conf(cfg))
     assert run.state == "success", _states(run)
     import pandas as pd
 

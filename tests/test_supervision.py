@@ -277,7 +277,7 @@ def test_failed_shards_resume_from_either_clear_the_ui_offers(airflow, make_conf
 
     # (a) the run's Clear, "only failed" ticked: start_servers and stop_servers stay succeeded.
     cfg, fault = fault_config(make_config, tmp_path, "run-clear")
-    run_id = trigger_run(api, cfg)
+    run_id = trigger_run(api, cfg, airflow["config_dir"])
     assert wait_run(api, run_id, 300) == "failed"
     failed = [k for k, v in shard_states(api, run_id).items() if k[0] == "generate" and v == "failed"]
     assert failed and shard_states(api, run_id)[("stop_servers", -1)] == "success"
@@ -290,7 +290,7 @@ def test_failed_shards_resume_from_either_clear_the_ui_offers(airflow, make_conf
 
     # (b) the task's Clear with its defaults (downstream included, not only failed).
     cfg, fault = fault_config(make_config, tmp_path, "task-clear")
-    run_id = trigger_run(api, cfg)
+    run_id = trigger_run(api, cfg, airflow["config_dir"])
     assert wait_run(api, run_id, 300) == "failed"
     failed = [k for k, v in shard_states(api, run_id).items() if k[0] == "generate" and v == "failed"]
     fault.unlink()
@@ -341,12 +341,12 @@ def test_a_person_approves_or_rejects_the_run_after_the_canary(airflow, make_con
     # Longer than the scheduler's gaps between tasks, shorter than the person takes to answer.
     cfg = make_config(approve_after_canary=True, output=str(tmp_path / "approved"), sim_tokens_per_second=2000,
                       idle_shutdown_s=8)
-    run_id = trigger_run(api, cfg)
+    run_id = trigger_run(api, cfg, airflow["config_dir"])
     answer(run_id, "Approve", pending_for_s=8 + 4)  # the idle time, and the watchdog's polls after it
     assert_clean_success(api, run_id, cfg)
 
     cfg = make_config(approve_after_canary=True, output=str(tmp_path / "rejected"), sim_tokens_per_second=2000)
-    run_id = trigger_run(api, cfg)
+    run_id = trigger_run(api, cfg, airflow["config_dir"])
     answer(run_id, "Reject")
     wait_run(api, run_id, 300)
     states = shard_states(api, run_id)

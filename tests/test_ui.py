@@ -50,7 +50,7 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
     base, headers = airflow["base"], {"Authorization": f"Bearer {airflow['token']}"}
     api = httpx.Client(base_url=f"{base}/api/v2", headers=headers, timeout=30)
     cfg = make_config(num_shards=3, sim_tokens_per_second=2000)
-    run_id = trigger_run(api, cfg)
+    run_id = trigger_run(api, cfg, airflow["config_dir"])
     assert wait_run(api, run_id, 300) == "success"
     page_url = f"{base}/regen/runs/regenerate_dataset/{run_id}"
     assert httpx.get(page_url).status_code in (401, 403)  # no token: refused
@@ -93,7 +93,8 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
 
         # A run whose output path is markup: shown as text, no script runs.
         evil = tmp_path / "<img src=x onerror=window.pwned=1>"
-        xss_run = trigger_run(api, make_config(output=str(evil), num_shards=1, sim_tokens_per_second=2000))
+        xss_run = trigger_run(api, make_config(output=str(evil), num_shards=1, sim_tokens_per_second=2000),
+                              airflow["config_dir"])
         assert wait_run(api, xss_run, 300) == "success"
         dialogs = []
         page = context.new_page()

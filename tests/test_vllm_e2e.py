@@ -43,14 +43,16 @@ def vllm_config(make_config, monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_vllm_end_to_end_thinking_on_passes_and_off_fails(airflow_db, vllm_config, monkeypatch, tmp_path):
-    from support.airflow import _conf, _states, assert_no_server_left, asset_events, load_dag
+def test_vllm_end_to_end_thinking_on_passes_and_off_fails(airflow_db, vllm_config, monkeypatch, tmp_path,
+                                                          deployed_dag):
+    from support.airflow import _conf, _states, assert_no_server_left, asset_events
 
     requests_log = tmp_path / "requests.jsonl"  # what the vLLM servers received, logged by vLLM itself
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests" / "fixtures" / "vllm_plugins"))
     monkeypatch.setenv("REGEN_TEST_REQUEST_LOG", str(requests_log))
     cfg = vllm_config(extra_server_args=["--enforce-eager", "--middleware", "request_log.log_request"])
-    run = load_dag().test(run_conf=_conf(cfg))
+    dag = deployed_dag(cfg)  # the deployment's engine, interpreter and flags; the runs choose the rest
+    run = dag.test(run_conf=_conf(cfg))
     states = _states(run)
     assert run.state == "success", states
     df = pd.read_parquet(Path(cfg.output) / "data")
@@ -105,7 +107,7 @@ def test_vllm_end_to_end_thinking_on_passes_and_off_fails(airflow_db, vllm_confi
     # the run when its 8 samples make the audit's 1% implausible (with this seed they hold one);
     # else the audit fails it. Either way no dataset is announced and no server is left.
     off = vllm_config(enable_thinking=False, max_degenerate_fraction=0.01, output=str(Path(cfg.output).parent / "off"))
-    run = load_dag().test(run_conf=_conf(off))
+    run = dag.test(run_conf=_conf(off))
     states = _states(run)
     assert run.state == "failed"
     assert states["canary"] == ["failed"] or states["audit"] == ["failed"], states

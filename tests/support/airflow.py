@@ -79,14 +79,19 @@ class AirflowProcesses:
         assert left == [], f"Airflow processes left behind: {left}"
 
 
-def trigger_run(api, cfg, dag_id: str = "regenerate_dataset") -> str:
-    """Wait for the DAG to be parsed, unpause it, trigger a run of ``cfg`` through the REST API."""
-    import json
+def deploy(cfg, config_dir: Path, dag_id: str = "regenerate_dataset") -> None:
+    """``cfg`` as the deployment's config file of ``dag_id``: its deployment fields (staging,
+    output root, engine, connections, key) are then the deployment's, as a team would set them."""
+    (config_dir / f"{dag_id.removeprefix('regenerate_')}.yaml").write_text(cfg.to_yaml())
 
+
+def trigger_run(api, cfg, config_dir: Path, dag_id: str = "regenerate_dataset") -> str:
+    """Deploy ``cfg`` (its file in ``config_dir``), wait for the DAG to be parsed, unpause it,
+    trigger a run of ``cfg`` through the REST API as the trigger form sends it."""
+    deploy(cfg, config_dir, dag_id)
     wait_until(lambda: api.get(f"/dags/{dag_id}").status_code == 200, 180, "DAG parsed")
     assert api.patch(f"/dags/{dag_id}", json={"is_paused": False}).status_code == 200
-    conf = json.loads(cfg.model_dump_json(exclude={"node"}))
-    created = api.post(f"/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": conf})
+    created = api.post(f"/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": _conf(cfg)})
     assert created.status_code == 200, created.text
     return created.json()["dag_run_id"]
 
@@ -114,13 +119,21 @@ not_regen()
 @contextlib.contextmanager
 def airflow_standalone(home: Path, **env: str):
     """`airflow standalone` on loopback (SQLite, LocalExecutor) in ``home``, its environment
-    extended by ``env``; about 40 s to start. Yields its base URL, an admin token and its home;
+    extended by ``env``; about 40 s to start. Users: admin, and `trigger`, who may only read and
+    trigger DAGs (the simple auth manager's `user` role). Yields its base URL, a token of each,
+    its home and its deployment's config folder (REGEN_CONFIG_DIR, holding `dataset.yaml`);
     every process it started is stopped afterwards."""
     import json
 
     import httpx
 
     port = free_port_base(1)
+    if "REGEN_CONFIG_DIR" not in env:
+        (home / "regen-configs").mkdir()
+        (home / "regen-configs" / "dataset.yaml").write_text("{}\n")
+    env = {"REGEN_CONFIG_DIR": str(home / "regen-configs"),
+           "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,trigger:user", **env}
+    config_dir = Path(env["REGEN_CONFIG_DIR"])
     cluster = AirflowProcesses(home, airflow_env(home, port, **env))
     cluster.start("standalone", "standalone")
     base = f"http://127.0.0.1:{port}"
@@ -128,24 +141,27 @@ def airflow_standalone(home: Path, **env: str):
         cluster.wait_api(base)
         passwords = home / "simple_auth_manager_passwords.json.generated"
         wait_until(passwords.exists, 60, "admin password")
-        password = json.loads(passwords.read_text())["admin"]
-        token = httpx.post(f"{base}/auth/token", json={"username": "admin", "password": password},
-                           timeout=30).json()["access_token"]
-        yield {"base": base, "token": token, "home": home}
+        wait_until(lambda: "trigger" in json.loads(passwords.read_text() or "{}"), 60, "users' passwords")
+        tokens = {user: httpx.post(f"{base}/auth/token", json={"username": user, "password": password},
+                                   timeout=30).json()["access_token"]
+                  for user, password in json.loads(passwords.read_text()).items()}
+        yield {"base": base, "token": tokens["admin"], "trigger_token": tokens["trigger"], "home": home,
+               "config_dir": config_dir}
     finally:
         cluster.stop()
 
 
-def load_dag():
+def load_dag(dag_id: str = "regenerate_dataset"):
     from airflow.dag_processing.dagbag import DagBag
 
     bag = DagBag(dag_folder=str(DAG_FILE))
     assert bag.import_errors == {}
-    return bag.dags["regenerate_dataset"]
+    return bag.dags[dag_id]
 
 
 def _conf(cfg) -> dict:
-    return json.loads(cfg.model_dump_json())
+    """The conf the trigger form sends for ``cfg``: every Param (no key, no node)."""
+    return {k: v for k, v in json.loads(cfg.model_dump_json()).items() if k not in ("node", "api_key")}
 
 
 def _states(run) -> dict[str, list[str]]:

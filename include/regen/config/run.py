@@ -32,7 +32,7 @@ from regen.layout import RunLayout
 from regen.paths import DEMO_MODEL, DEMO_PROMPTS, PROJECT_ROOT, VAR_DIR
 
 Engine = Literal["sglang", "vllm", "sim"]
-PATH_FIELDS = ("model_path", "prompts", "output", "staging_dir")
+PATH_FIELDS = ("model_path", "prompts", "output", "output_root", "staging_dir")
 
 
 def _in(section: str) -> dict[str, Any]:
@@ -59,6 +59,11 @@ class RunConfig(BaseModel):
         str(VAR_DIR / "datasets" / "demo"), title="Output directory",
         description="Where the dataset goes: `data/` (Parquet shards), `progress.json`, "
         "`audit/`. A rerun on the same directory resumes.",
+        json_schema_extra=_in("Run"))
+    output_root: str | None = Field(
+        None, title="Output root",
+        description="Set by the deployment: a run triggered in Airflow writes its `output` only under "
+        "this folder. Empty: the folder that holds the deployment's `output`.",
         json_schema_extra=_in("Run"))
     enable_thinking: bool = Field(
         True, title="Enable thinking",
@@ -135,7 +140,7 @@ class RunConfig(BaseModel):
         return type(self).model_validate({**self.model_dump(), **update})
 
     # --- checks ----------------------------------------------------------------------------
-    @field_validator("model_path", "prompts", "output", "staging_dir", "remote_regen")
+    @field_validator("model_path", "prompts", "output", "output_root", "staging_dir", "remote_regen")
     @classmethod
     def _plain_path(cls, value: str | None) -> str | None:
         return plain_path(value)
@@ -260,6 +265,8 @@ class RunConfig(BaseModel):
         """Relative paths made absolute against ``base_dir``."""
         updates = {}
         for name in PATH_FIELDS:
+            if getattr(self, name) is None:
+                continue
             value = Path(getattr(self, name)).expanduser()
             if not value.is_absolute():
                 updates[name] = str((base_dir / value).resolve())

@@ -80,3 +80,21 @@ def shard_pool() -> str:
 def shard_retries() -> tuple[int, float]:
     """Automatic retries of a shard (each resumes from its journal) and the pause before each."""
     return int(os.environ.get("REGEN_SHARD_RETRIES", "2")), float(os.environ.get("REGEN_SHARD_RETRY_DELAY_S", "30"))
+
+
+class NotRegenDag(ConfigError):
+    """A DAG id that none of this deployment's definitions has."""
+
+
+def triggered_config(dag_id: str, conf: dict | None) -> RunConfig:
+    """The config of a run of ``dag_id`` triggered with ``conf``, read from this deployment's
+    files as they are now (regen.config.deployment): what every task and the run page use."""
+    from regen.config.deployment import triggered_run_config
+
+    definitions = run_definitions()[0]
+    mine = {d.dag_id: d for d in definitions}.get(dag_id)
+    if mine is None:
+        raise NotRegenDag(f"{dag_id!r} is not a regen DAG of this deployment (REGEN_CONFIG_DIR={config_dir() or 'unset'})")
+    where = str(mine.source) if mine.source else "regen's built-in defaults, no REGEN_CONFIG_DIR"
+    others = {d.dag_id: d.config.output for d in definitions if d.dag_id != dag_id}
+    return triggered_run_config(mine.config, where, conf, others)

@@ -6,6 +6,7 @@ import functools
 from typing import Any
 
 from regen.config import RunConfig, run_fields
+from regen.config.deployment import DEPLOYMENT_FIELDS
 
 
 @functools.cache
@@ -22,16 +23,21 @@ def _flat_properties() -> dict[str, dict[str, Any]]:
         out[name] = {**prop, "section": field.section}
     return out
 
-# Fields regen sets for a stage, never a person in the trigger form.
-NOT_PARAMS = frozenset({"node"})
+# Never in the trigger form: regen sets `node` for a stage; the key is the deployment's secret
+# (a Param's value is shown with the DAG and stored with each run).
+NOT_PARAMS = frozenset({"node", "api_key"})
+DEPLOYMENT_SECTION = "Deployment (read-only: a run that changes one of these is refused)"
 
 
-def param_schemas(defaults: RunConfig | None = None) -> dict[str, tuple[Any, dict[str, Any]]]:
+def param_schemas(defaults: RunConfig | None = None, where: str | None = None) -> dict[str, tuple[Any, dict[str, Any]]]:
     """Per field: (default, JSON schema) for an Airflow Param, from the pydantic schema; the
-    defaults are ``defaults``' values (a deployment's config file) or the schema's own.
+    defaults are ``defaults``' values (a deployment's config file, named by ``where``) or the
+    schema's own.
 
     Optional fields become ``type: [T, "null"]`` so that Airflow's trigger form shows a plain
-    input that may be left empty.
+    input that may be left empty. The deployment's fields are shown in a section of their own,
+    saying so: Airflow 3.3's form has no read-only field, and a Param that refused other values
+    would refuse the run before preflight could say why.
     """
     defaults = (defaults or RunConfig()).model_dump(mode="json")
     out: dict[str, tuple[Any, dict[str, Any]]] = {}
@@ -65,5 +71,9 @@ def param_schemas(defaults: RunConfig | None = None) -> dict[str, tuple[Any, dic
                 spec[key] = prop[key]
         if "const" in prop:
             spec["enum"] = [prop["const"]]
+        if name in DEPLOYMENT_FIELDS:
+            spec["section"] = DEPLOYMENT_SECTION
+            spec["description"] = (f"Set by the deployment ({where or 'regen built-in defaults'}); a triggered run "
+                                   f"may not change it. " + spec.get("description", ""))
         out[name] = (defaults[name], spec)
     return out

@@ -12,8 +12,8 @@ token (the UI's cookie, or a Bearer header) is checked by the deployment's auth 
 import html
 import secrets
 
-from regen.config import RunConfig, run_fields
-from regen.dags.definitions import run_definitions
+from regen.config import ConfigError, RunConfig
+from regen.dags.definitions import NotRegenDag, triggered_config
 from regen.pipeline import run
 
 PAGE_CSP = ("default-src 'none'; script-src 'nonce-{nonce}'; style-src 'unsafe-inline'; connect-src 'self'; "
@@ -22,16 +22,6 @@ PAGE_CSP = ("default-src 'none'; script-src 'nonce-{nonce}'; style-src 'unsafe-i
 # holds runs nowhere, with no origin of Airflow's.
 REPORT_CSP = ("default-src 'none'; img-src data:; style-src 'unsafe-inline'; base-uri 'none'; "
               "form-action 'none'; frame-ancestors 'self'; sandbox")
-
-
-def run_config(dag_id: str, conf: "dict | None") -> "RunConfig | None":
-    """The config a run of a regen DAG ran with: its conf over the DAG's defaults (a
-    deployment's config file, or the schema's); None when the DAG is not one of regen's."""
-    defaults = {d.dag_id: d.config for d in run_definitions()[0]}.get(dag_id)
-    if defaults is None:
-        return None
-    given = {k: v for k, v in (conf or {}).items() if k in run_fields()}
-    return RunConfig.from_mapping({**defaults.model_dump(mode="json"), **given}, source="run conf")
 
 
 # The page polls /data every 5 s. For a run on an SSH node that is a command on the node: it gets
@@ -113,10 +103,12 @@ def create_app():
             conf = None if run is None else dict(run.conf or {})
         if run is None:
             raise HTTPException(404, f"no run {run_id!r} of {dag_id!r}")
-        cfg = run_config(dag_id, conf)
-        if cfg is None:
-            raise HTTPException(404, f"{dag_id!r} is not a regen DAG")
-        return cfg
+        try:  # a run whose conf was refused has nothing to show, and reaches no node
+            return triggered_config(dag_id, conf)
+        except NotRegenDag as exc:
+            raise HTTPException(404, str(exc)) from None
+        except ConfigError as exc:
+            raise HTTPException(409, str(exc)) from None
 
     @app.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse, dependencies=guard)
     def page(dag_id: str, run_id: str) -> str:

@@ -31,6 +31,9 @@ class Engine:
     # engine installed on the node instead, where there is one (regen.engines.launch_check).
     reasoning_parsers: ClassVar[frozenset[str]]
     tool_call_parsers: ClassVar[frozenset[str]] = frozenset()
+    # Flags a run triggered in Airflow may add to extra_server_args (regen.config.deployment):
+    # tuning only; none loads code, opens a path, or changes where the server listens.
+    run_flags: ClassVar[frozenset[str]] = frozenset()
     # RunConfig fields the engine has no equivalent for: a set value would be silently ignored.
     ignored_options: ClassVar[tuple[str, ...]] = ()
     # Where the message of a chat completion carries the thinking trace, first found wins.

@@ -27,6 +27,14 @@ class SGLang(Engine):
         "llama3", "mimo", "minicpm5", "minimax-m2", "minimax-m3", "mistral", "muse", "nanbeige", "poolside_v1",
         "pythonic", "qwen", "qwen25", "qwen3_coder", "response_template", "spark25", "step3", "step3p5",
         "trinity"})
+    run_flags = frozenset({
+        "--mem-fraction-static", "--max-running-requests", "--max-total-tokens", "--max-prefill-tokens",
+        "--chunked-prefill-size", "--context-length", "--schedule-policy", "--schedule-conservativeness",
+        "--cuda-graph-max-bs", "--cuda-graph-bs", "--disable-cuda-graph", "--disable-radix-cache",
+        "--enable-mixed-chunk", "--enable-dp-attention", "--attention-backend", "--sampling-backend",
+        "--kv-cache-dtype", "--stream-interval", "--random-seed", "--log-level", "--watchdog-timeout",
+        "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",
+        "--max-mamba-cache-size"})
     info_paths = ("/server_info", "/get_server_info")
     metric_prefix = "sglang"
     metric_names = {"num_running_reqs": "running", "num_queue_reqs": "queued",

@@ -8,7 +8,7 @@ import sys
 
 from regen.config import RunConfig
 from regen.engines.sglang import SGLang
-from regen.engines.simulator.settings import to_argv
+from regen.engines.simulator.settings import SimSettings, to_argv
 
 
 class Simulator(SGLang):
@@ -16,6 +16,8 @@ class Simulator(SGLang):
     version = ""
     reasoning_parsers = frozenset({"qwen3", "qwen3-thinking", "deepseek-r1"})
     tool_call_parsers = frozenset({"qwen25", "qwen3_coder", "hermes"})
+    # Its knobs, but not those that name a file on the node.
+    run_flags = SGLang.run_flags | SimSettings.run_flags()
 
     def module_argv(self, cfg: RunConfig) -> list[str]:
         # Always regen's own interpreter: the simulator is part of regen.

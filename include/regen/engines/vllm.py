@@ -32,6 +32,11 @@ class VLLM(Engine):
         "llama4_json", "llama4_pythonic", "longcat", "mimo", "minicpm5", "minimax_m2", "minimax_m3", "mistral",
         "muse_glimmer", "olmo3", "openai", "phi4_mini_json", "plamo3", "poolside_v1", "pythonic",
         "qwen3_coder", "qwen3_json", "qwen3_xml", "seed_oss", "step3", "step3p5", "xlam"})
+    run_flags = frozenset({
+        "--gpu-memory-utilization", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
+        "--enforce-eager", "--enable-chunked-prefill", "--no-enable-chunked-prefill", "--enable-prefix-caching",
+        "--no-enable-prefix-caching", "--kv-cache-dtype", "--block-size", "--swap-space", "--seed",
+        "--dtype", "--max-logprobs", "--uvicorn-log-level"})
     ignored_options = ("speculative_eagle_topk", "speculative_num_draft_tokens", "max_mamba_cache_size")
     # vLLM's reasoning parser fills `reasoning`; older releases `reasoning_content`.
     reasoning_fields = ("reasoning", "reasoning_content")

@@ -11,8 +11,8 @@ from typing import Any
 FAULT_MARKER = "[sim-fault]"
 
 
-def _flag(name: str, help: str = "", default: Any = None) -> Any:
-    return field(default=default, metadata={"flag": name, "help": help})
+def _flag(name: str, help: str = "", default: Any = None, names_a_file: bool = False) -> Any:
+    return field(default=default, metadata={"flag": name, "help": help, "file": names_a_file})
 
 
 @dataclass
@@ -48,12 +48,18 @@ class SimSettings:
         "(a server relaunched mid-run with the wrong flags)")
     startup_delay_s: float = _flag("--sim-startup-delay", "seconds before /health answers 200", 0.0)
     fail_while: str | None = _flag("--sim-fail-while", f"while FILE exists, answer HTTP 500 to prompts "
-                                   f"containing {FAULT_MARKER!r} (a fault that goes away)")
+                                   f"containing {FAULT_MARKER!r} (a fault that goes away)", names_a_file=True)
     request_log: str | None = _flag("--sim-request-log", "append every chat request's messages to "
-                                    "FILE (JSON lines)")
+                                    "FILE (JSON lines)", names_a_file=True)
     orphan_child: bool = _flag("--sim-orphan-child", "leave a child that ignores SIGTERM and outlives "
                                "the server, as SGLang's scheduler children have been seen to do "
                                "(issues 23627, 15165)", False)
+
+    @classmethod
+    def run_flags(cls) -> frozenset[str]:
+        """The simulator's own knobs that name no file (a triggered run may set these)."""
+        return frozenset(f.metadata["flag"] for f in fields(cls)
+                         if f.metadata["flag"].startswith("--sim-") and not f.metadata["file"])
 
     @property
     def served_name(self) -> str:

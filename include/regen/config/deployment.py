@@ -1,0 +1,92 @@
+"""What a deployment decides and a run triggered in Airflow may not.
+
+Anyone allowed to trigger a DAG writes its run conf. Airflow's security model leaves it to the
+DAG's author that a conf cannot choose what the worker executes, so the fields that choose an
+executable, a connection, a host, a directory root or the servers' key are the deployment's
+(its config file, regen.dags.definitions): a conf that changes one is refused before anything
+runs, naming the field and where the deployment sets it; a conf that leaves it out gets the
+deployment's value. The CLI with ``--config`` (the operator's own shell) is not checked here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from regen.config.fields import ConfigError
+from regen.config.run import RunConfig, run_fields
+
+# Chosen by the deployment only: an executable (engine_python, remote_regen), a connection or a
+# machine (ssh_conn_id, nodes, queue, node), where servers listen (host), a directory root
+# (staging_dir, output_root) and the servers' key.
+DEPLOYMENT_FIELDS = ("engine_python", "remote_regen", "ssh_conn_id", "nodes", "queue", "node", "host",
+                     "staging_dir", "output_root", "api_key")
+_FLAG = re.compile(r"^--?[A-Za-z]")
+
+
+class DeploymentFieldError(ConfigError):
+    """A run's conf asks for what only the deployment decides."""
+
+
+def output_root(deployment: RunConfig) -> str:
+    """Where a triggered run's output must lie: ``output_root``, or the folder of the
+    deployment's own output."""
+    return deployment.output_root or os.path.dirname(deployment.output.rstrip("/")) or "/"
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
+
+
+def _flags(args: Iterable[str]) -> set[str]:
+    return {arg.split("=", 1)[0] for arg in args if _FLAG.match(arg)}
+
+
+def triggered_run_config(deployment: RunConfig, where: str, conf: Mapping[str, Any] | None,
+                         other_outputs: Mapping[str, str] | None = None) -> RunConfig:
+    """The config a run triggered with ``conf`` runs with: the deployment's values, the conf's
+    run fields over them. Every refusal is listed at once (DeploymentFieldError), each naming
+    its field and ``where`` the deployment sets it; ``other_outputs`` (DAG id: output) are the
+    datasets of the deployment's other DAGs, never a run's output."""
+    from regen.engines import engine
+
+    conf = dict(conf or {})
+    problems = []
+    if "api_key" in conf:  # never echoed: the value is a secret, whatever else is wrong
+        problems.append(f"api_key: the servers' key is the deployment's ({where}; empty there: a fresh key "
+                        f"for each run); a run's conf is stored and shown with the run and may not hold it")
+    unknown = sorted(set(conf) - set(run_fields()))
+    if unknown:
+        raise ConfigError(f"run conf: unknown field(s) {unknown}; the fields are those of the trigger form")
+    base = deployment.model_dump(mode="json")
+    requested = RunConfig.from_mapping({**base, **{k: v for k, v in conf.items() if k != "api_key"}},
+                                       source="run conf")
+    for name in DEPLOYMENT_FIELDS:
+        if name == "api_key" or name not in conf:
+            continue
+        asked, fixed = requested.flat_value(name), deployment.flat_value(name)
+        if asked != fixed:
+            shown = [n.model_dump(mode="json", exclude_defaults=True) for n in asked] if name == "nodes" else asked
+            problems.append(f"{name}: set by the deployment ({where}: {base[name]!r}); a triggered run may not "
+                            f"change it (its conf asks for {shown!r}). Change it there, or run `regen` with "
+                            f"--config from the operator's shell")
+    added = _flags(requested.servers.extra_server_args) - _flags(deployment.servers.extra_server_args)
+    refused = sorted(added - engine(requested.engine).run_flags)
+    if refused:
+        problems.append(f"extra_server_args: {', '.join(refused)} may not be added by a triggered run (it may add "
+                        f"tuning flags of {requested.engine}: {', '.join(sorted(engine(requested.engine).run_flags))}; "
+                        f"anything else is the deployment's, in {where})")
+    root = os.path.realpath(output_root(deployment))
+    out = os.path.realpath(requested.output)
+    if out == root or not _inside(out, root):
+        problems.append(f"output {requested.output}: a triggered run writes in a folder under the deployment's "
+                        f"output root {root} (output_root, or the folder of output, in {where})")
+    for dag_id, other in (other_outputs or {}).items():
+        other = os.path.realpath(other)
+        if _inside(out, other) or _inside(other, out):
+            problems.append(f"output {requested.output}: holds the dataset of DAG {dag_id} ({other})")
+    if problems:
+        raise DeploymentFieldError("run conf refused:\n- " + "\n- ".join(problems))
+    return requested.model_copy(update={name: base[name] for name in DEPLOYMENT_FIELDS})
