@@ -26,6 +26,7 @@ from datetime import datetime, timedelta
 from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk import Asset, AssetAlias, AssetAny, Param, dag, get_current_context, task
 
+from regen.coordination.leases import APPROVAL_HOLD_S
 from regen.dags.definitions import RunDefinition, queue, run_definitions, shard_pool, shard_retries
 from regen.dags.notify import AlertNotifier, markdown_literal
 from regen.dags.params import param_schemas
@@ -60,7 +61,27 @@ def _run(name: str, **kwargs):
     return run(name, cfg, run_id=f"{context['dag'].dag_id}/{context['run_id']}", **kwargs)
 
 
-@task(retries=0)
+def _deadline(name: str) -> dict:
+    """A task's execution_timeout: its stage's deadline (regen.stages) with the schema's startup
+    timeout, set again just before it runs from the run's own values (and, for a shard, from the
+    canary's estimate), plus the grace a remote stage gets to stop by itself on its node."""
+    from regen.remote import DEADLINE_GRACE_S
+    from regen.stages import stage
+
+    def from_the_run(context) -> None:
+        from regen.generate import shard_deadline_s
+
+        kwargs = {}
+        if name == "generate":
+            kwargs["deadline_s"] = shard_deadline_s((context["ti"].xcom_pull(task_ids="canary") or {}).get("estimate"))
+        seconds = stage(name).deadline(float(context["params"]["startup_timeout_s"]), kwargs) + DEADLINE_GRACE_S
+        context["task"].execution_timeout = timedelta(seconds=seconds)
+
+    return {"execution_timeout": timedelta(seconds=stage(name).deadline(1800.0) + DEADLINE_GRACE_S),
+            "pre_execute": from_the_run}
+
+
+@task(retries=0, **_deadline("preflight"))
 def preflight(dag_nodes: list[str], dag_queue: str | None) -> list[int]:
     from airflow.configuration import conf
 
@@ -68,7 +89,7 @@ def preflight(dag_nodes: list[str], dag_queue: str | None) -> list[int]:
                 max_map_length=conf.getint("core", "max_map_length")).shards
 
 
-@task(retries=1, retry_delay=timedelta(seconds=10))
+@task(retries=1, retry_delay=timedelta(seconds=10), **_deadline("stage_weights"))
 def stage_weights(shards: list[int], node: str) -> str:
     from airflow.exceptions import AirflowSkipException
 
@@ -77,12 +98,12 @@ def stage_weights(shards: list[int], node: str) -> str:
     return _run("stage_weights", node=node).path
 
 
-@task(retries=0)
+@task(retries=0, **_deadline("start_servers"))
 def start_servers(served_model_path: str, node: str) -> list[str]:
     return _run("start_servers", node=node, served_model_path=served_model_path).urls
 
 
-@task(retries=0)
+@task(retries=0, **_deadline("canary"))
 def canary() -> dict:
     """The canary on every node: a misconfigured node fails the run before the shards start."""
     return _run("canary").model_dump(mode="json")
@@ -107,10 +128,12 @@ Approve to start the shards; reject to stop the run here (its servers are stoppe
 
 
 @task(retries=SHARD_RETRIES, retry_delay=timedelta(seconds=SHARD_RETRY_DELAY_S), map_index_template="{{ shard_label }}",
-      pool=SHARD_POOL, trigger_rule="none_failed_min_one_success")  # straight from the gate, or approved
+      pool=SHARD_POOL, trigger_rule="none_failed_min_one_success",  # straight from the gate, or approved
+      **_deadline("generate"))
 def generate(shard: int, params=None) -> str:
     """A shard; its attempt has a deadline derived from the canary's estimate (a hung node or
-    command fails it, and its retry resumes)."""
+    command fails it, and its retry resumes): regen stops the shard at it, Airflow's
+    execution_timeout a little later if regen could not."""
     from regen.generate import shard_deadline_s
 
     context = get_current_context()
@@ -119,7 +142,7 @@ def generate(shard: int, params=None) -> str:
     return _run("generate", shard=shard, strict_index=True, deadline_s=shard_deadline_s(estimate)).summary
 
 
-@task(retries=0)
+@task(retries=0, **_deadline("audit"))
 def audit() -> dict:
     """After the run's own servers are stopped (regen.pipeline), the audit; its verdict goes out
     with the dataset's Asset."""
@@ -134,7 +157,7 @@ def audit() -> dict:
     return result.model_dump(mode="json")
 
 
-@task(retries=1, retry_delay=timedelta(seconds=5))
+@task(retries=1, retry_delay=timedelta(seconds=5), **_deadline("stop_servers"))
 def stop_servers(node: str) -> int:
     return _run("stop_servers", node=node).stopped
 
@@ -171,7 +194,8 @@ def regeneration_dag(run: RunDefinition):
                 spec.name).as_teardown(setups=servers)
         gate = approval_gate()
         approve = ApprovalOperator(task_id="approve", subject="regen: start generating {{ dag_run.dag_id }}?",
-                                   body=APPROVAL_BODY, retries=0)
+                                   body=APPROVAL_BODY, retries=0,  # unanswered as long as the servers wait
+                                   execution_timeout=timedelta(seconds=APPROVAL_HOLD_S))
         checked >> gate >> [approve, generated]
         approve >> generated >> audit.override(outlets=outlets)()
 

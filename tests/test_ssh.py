@@ -260,6 +260,129 @@ def test_a_hung_node_does_not_hang_the_run_page(sshd, monkeypatch, make_config):
         listener.close()
 
 
+class BlackHoleRelay:
+    """A TCP relay to the node's sshd; :meth:`hang` makes the connections it holds a black hole
+    (connected, nothing delivered either way: a hung node or link), new ones still relay."""
+
+    def __init__(self, port: int):
+        import socket
+        import threading
+
+        self.target, self.held = port, []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            hung = threading.Event()
+            self.held.append(hung)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b, hung), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst, hung) -> None:
+        try:
+            while chunk := src.recv(65536):
+                if not hung.is_set():
+                    dst.sendall(chunk)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def hang(self) -> None:
+        for held in self.held:
+            held.set()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.slow
+def test_a_node_that_hangs_mid_shard_fails_the_attempt_at_its_deadline_and_the_retry_resumes(
+        sshd, monkeypatch, make_config, tmp_path):
+    """The link to the node goes silent while a shard of two-turn conversations runs there: the
+    attempt fails at its deadline (plus the grace the node gets to stop by itself), naming the
+    node; the node's own attempt stops at the deadline with its journal written; the retry
+    requests only the turns without a journaled answer. About 50 s."""
+    import threading
+    import time
+    from collections import Counter
+
+    from regen import remote
+    from regen.errors import RemoteError
+    from regen.layout import RunLayout
+    from regen.store import Journal
+    from support.data import write_conversations
+
+    relay = BlackHoleRelay(sshd["port"])
+    flaky = json.loads(connection(sshd))
+    flaky["port"] = relay.port
+    monkeypatch.setenv("AIRFLOW_CONN_FLAKY_NODE", json.dumps(flaky))
+    monkeypatch.setattr(remote, "DEADLINE_GRACE_S", 5.0)
+    log = tmp_path / "requests.jsonl"
+    prompts = write_conversations(tmp_path / "p.jsonl", 40, turns=2)
+    cfg = make_config(ssh_conn_id="flaky_node", remote_regen=str(BIN / "regen"), prompts=str(prompts),
+                      num_servers=1, num_shards=1, concurrency_per_server=4, sim_tokens_per_second=300,
+                      extra_server_args=["--sim-request-log", str(log)])
+    run("start_servers", cfg, served_model_path=run("stage_weights", cfg).path)
+    journal = RunLayout(cfg.output).journal(0, 1)
+    deadline_s = 12.0
+    try:
+        outcome: dict = {}
+
+        def attempt() -> None:
+            try:
+                outcome["result"] = run("generate", cfg, shard=0, deadline_s=deadline_s)
+            except RemoteError as exc:
+                outcome["error"] = exc
+
+        worker = threading.Thread(target=attempt)
+        started = time.monotonic()
+        worker.start()
+        wait_until(lambda: len(list(Journal.rows(journal))) >= 3, 60, "conversations finished on the node")
+        relay.hang()
+        worker.join(timeout=120)
+        elapsed = time.monotonic() - started
+        assert "error" in outcome, outcome
+        assert "on flaky_node did not end within 17 s" in str(outcome["error"])
+        assert deadline_s + 5 <= elapsed < deadline_s + 5 + 15
+        wait_until(lambda: processes_with_args("run-stage", "generate") == [], 60, "the node's attempt stopped")
+        finished = {r["id"] for r in Journal.rows(journal)}
+        turns_done = Counter()
+        for row in Journal.rows(journal, partial=True):
+            turns_done[row["id"]] = max(turns_done[row["id"]], row["turn"] + 1)
+        assert 0 < len(finished) < 40
+
+        log.unlink()
+        run("generate", cfg, shard=0)  # the retry: a new connection, which the link carries
+        requested = Counter()
+        for line in log.read_text().splitlines():
+            users = [m["content"] for m in json.loads(line)["messages"] if m["role"] == "user"]
+            requested[(users[0].split(",")[0], len(users) - 1)] += 1
+        expected = Counter({(f"Conversation {i}", k): 1 for i in range(40) if f"c{i}" not in finished
+                            for k in range(turns_done[f"c{i}"], 2)})
+        assert requested == expected
+        import pandas as pd
+
+        assert sorted(pd.read_parquet(Path(cfg.output) / "data")["id"]) == sorted(f"c{i}" for i in range(40))
+    finally:
+        run("stop_servers", cfg)
+        relay.close()
+
+
 def test_a_remote_failure_carries_the_nodes_message_and_type(node, tmp_path):
     from regen.weights import StageError
 

@@ -22,6 +22,8 @@ import json
 import logging
 import secrets
 import shlex
+import socket
+import time
 from dataclasses import dataclass
 
 from regen.config import RunConfig
@@ -41,6 +43,11 @@ class RemoteOutput:
 
 
 CONNECT_TIMEOUT_S = 30
+# A remote stage gets its own deadline (regen.stages) plus this long to stop by itself there and
+# say so (a shard on the node stops at its deadline with its journal written); after that the
+# command is given up, as a hung node's would be.
+DEADLINE_GRACE_S = 120.0
+UPLOAD_DEADLINE_S = 60.0
 
 # Relative to the SSH user's home, where the command starts.
 INPUT_DIR = (".cache", "regen", "stage-input")
@@ -67,9 +74,12 @@ def upload_private(client, content: str) -> str:
     command = f"umask 077 && mkdir -p {folder} && chmod 700 {folder} && set -C && cat > {path}"
     channel = client.get_transport().open_session()
     try:
+        channel.settimeout(UPLOAD_DEADLINE_S)
         channel.exec_command(command)  # only names regen drew: no value of the run's
         channel.sendall(content.encode())
         channel.shutdown_write()
+        if not channel.status_event.wait(UPLOAD_DEADLINE_S):
+            raise RemoteError(f"writing the stage's config on the node took over {UPLOAD_DEADLINE_S:.0f} s; given up")
         code = channel.recv_exit_status()
         if code != 0:
             raise RemoteError(f"could not write the stage's config on the node ({command!r} exited {code}: "
@@ -80,9 +90,11 @@ def upload_private(client, content: str) -> str:
 
 
 def run_command(conn_id: str, argv: list[str], marker: str, keep_lines: int = 500,
-                upload: str | None = None) -> RemoteOutput:
+                upload: str | None = None, deadline_s: float | None = None) -> RemoteOutput:
     """``argv`` on the node; with ``upload``, that text first goes to a private file there, and
-    ``{upload}`` in argv is replaced by its path."""
+    ``{upload}`` in argv is replaced by its path. A command still running after ``deadline_s``
+    (a hung node: the connection is up, nothing comes back) is given up: RemoteError; closing
+    its session hangs up on the command, if the node still listens."""
     from airflow.providers.ssh.hooks.ssh import SSHHook
 
     # A node that does not answer fails the connection in seconds (the command itself may run
@@ -98,9 +110,21 @@ def run_command(conn_id: str, argv: list[str], marker: str, keep_lines: int = 50
         channel = client.get_transport().open_session()
         channel.get_pty(width=250)
         channel.exec_command(command)
+        ends = None if deadline_s is None else time.monotonic() + deadline_s
         pending = b""
         while True:
-            chunk = channel.recv(65536)
+            if ends is not None:
+                left = ends - time.monotonic()
+                if left <= 0:
+                    channel.close()
+                    raise RemoteError(f"`{shlex.join(argv[:4])}` on {conn_id} did not end within "
+                                      f"{deadline_s:.0f} s (a hung node or command); given up. "
+                                      f"Last lines:\n" + "\n".join(lines[-10:]))
+                channel.settimeout(min(left, 5.0))
+            try:
+                chunk = channel.recv(65536)
+            except socket.timeout:
+                continue
             if not chunk:
                 break
             pending += chunk
@@ -125,9 +149,12 @@ def run_command(conn_id: str, argv: list[str], marker: str, keep_lines: int = 50
 
 def run_stage(cfg: RunConfig, name: str, kwargs: dict) -> dict:
     """The stage's result document, as the node's ``regen run-stage`` wrote it."""
+    from regen.stages import stage
+
     marker = f"regen-result-{secrets.token_hex(16)} "
+    deadline = stage(name).deadline(cfg.servers.startup_timeout_s, kwargs) + DEADLINE_GRACE_S
     out = run_command(cfg.ssh_conn_id, stage_argv(cfg, name, kwargs, marker, "{upload}"), marker,
-                      upload=stage_input(cfg))
+                      upload=stage_input(cfg), deadline_s=deadline)
     if out.result is None:
         raise RemoteError(f"`regen run-stage {name}` on {cfg.ssh_conn_id} exited with "
                           f"{out.exit_code} without a result:\n{out.tail()}")

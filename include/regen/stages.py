@@ -34,10 +34,23 @@ class Stage:
     result: type[results.StageResult]
     where: Where
     takes_run_id: bool = False
+    # How long the stage may take (a task's execution_timeout, a remote command's deadline): long
+    # enough for honest work, so that only a hung node or command meets it. The servers' own
+    # startup timeout is added for the stage that starts them; a shard's deadline comes from the
+    # canary's estimate (regen.generate.shard_deadline_s) when there is one.
+    deadline_s: float = 3600.0
+    plus_startup_timeout: bool = False
 
     @property
     def module(self) -> str:
         return self.target.split(":")[0]
+
+    def deadline(self, startup_timeout_s: float, kwargs: dict | None = None) -> float:
+        """This stage's deadline with these servers (their startup timeout) and arguments."""
+        given = (kwargs or {}).get("deadline_s")
+        if given:
+            return float(given)
+        return self.deadline_s + (startup_timeout_s if self.plus_startup_timeout else 0.0)
 
     def function(self) -> Callable[..., results.StageResult]:
         module, name = self.target.split(":")
@@ -46,16 +59,21 @@ class Stage:
 
 STAGES: dict[str, Stage] = {stage.name: stage for stage in (
     Stage("preflight", "regen.preflight:check", results.PreflightResult, Where.RUN, takes_run_id=True),
-    Stage("stage_weights", "regen.preflight:prepare_node", results.StagedModel, Where.NODE),
-    Stage("start_servers", "regen.servers.lifecycle:serve", results.ServersUp, Where.NODE, takes_run_id=True),
-    Stage("canary", "regen.canary:probe", results.CanaryReport, Where.EVERY_NODE, takes_run_id=True),
-    Stage("generate", "regen.generate:generate_shard", results.ShardResult, Where.CLAIM, takes_run_id=True),
+    Stage("stage_weights", "regen.preflight:prepare_node", results.StagedModel, Where.NODE,
+          deadline_s=6 * 3600.0),  # a terabyte of weights from a slow share
+    Stage("start_servers", "regen.servers.lifecycle:serve", results.ServersUp, Where.NODE, takes_run_id=True,
+          deadline_s=900.0, plus_startup_timeout=True),
+    Stage("canary", "regen.canary:probe", results.CanaryReport, Where.EVERY_NODE, takes_run_id=True,
+          deadline_s=2 * 3600.0),
+    Stage("generate", "regen.generate:generate_shard", results.ShardResult, Where.CLAIM, takes_run_id=True,
+          deadline_s=7 * 24 * 3600.0),  # without a canary's estimate: a week
     Stage("stop_servers", "regen.servers.lifecycle:teardown", results.ServersStopped, Where.NODE,
-          takes_run_id=True),
-    Stage("audit", "regen.audit.dataset:audit_run", results.AuditResult, Where.AFTER_GENERATION),
-    Stage("server_plan", "regen.servers.lifecycle:plan", results.ServerPlan, Where.NODE),
-    Stage("server_logs", "regen.servers.lifecycle:tail_logs", results.ServerLogs, Where.NODE),
-    Stage("status", "regen.status:run_status", results.RunStatus, Where.RUN),
+          takes_run_id=True, deadline_s=900.0),
+    Stage("audit", "regen.audit.dataset:audit_run", results.AuditResult, Where.AFTER_GENERATION,
+          deadline_s=6 * 3600.0),
+    Stage("server_plan", "regen.servers.lifecycle:plan", results.ServerPlan, Where.NODE, deadline_s=300.0),
+    Stage("server_logs", "regen.servers.lifecycle:tail_logs", results.ServerLogs, Where.NODE, deadline_s=300.0),
+    Stage("status", "regen.status:run_status", results.RunStatus, Where.RUN, deadline_s=60.0),
 )}
 
 # Programs regen starts as processes of their own (beside the stages, which import the rest).
