@@ -54,7 +54,8 @@ def triggered_run_config(deployment: RunConfig, where: str, conf: Mapping[str, A
 
     conf = dict(conf or {})
     problems = []
-    if "api_key" in conf:  # never echoed: the value is a secret, whatever else is wrong
+    # A key, not an empty one (`regen config --json` prints `api_key: null`); never echoed.
+    if conf.get("api_key"):
         problems.append(f"api_key: the servers' key is the deployment's ({where}; empty there: a fresh key "
                         f"for each run); a run's conf is stored and shown with the run and may not hold it")
     unknown = sorted(set(conf) - set(run_fields()))
