@@ -177,3 +177,22 @@ def test_a_trigger_only_user_cannot_choose_what_runs_and_never_sees_the_key(airf
         assert "max_tokens" in import_errors() and key not in import_errors()
     finally:
         os.unlink(broken)
+
+
+def test_the_run_page_and_every_task_read_the_deployment_as_its_files_say_now(deployment, monkeypatch, tmp_path):
+    """What a run page shows and a task runs come from one function: the DAG's file as it is
+    when they read it, the conf's run fields over it; a DAG the deployment has not is refused."""
+    from regen.dags.definitions import NotRegenDag, triggered_config
+
+    folder = tmp_path / "regen-configs"
+    folder.mkdir()
+    deploy(deployment, folder, "regenerate_chat")
+    deploy(deployment.model_copy(update={"output": str(tmp_path / "datasets" / "code")}), folder, "regenerate_code")
+    monkeypatch.setenv("REGEN_CONFIG_DIR", str(folder))
+    assert triggered_config("regenerate_chat", {"num_shards": 3}).generation.num_shards == 3
+    with pytest.raises(DeploymentFieldError, match=r"ssh_conn_id: set by the deployment \(.*chat.yaml"):
+        triggered_config("regenerate_chat", {"ssh_conn_id": "other", "remote_regen": "/tmp/x"})
+    with pytest.raises(DeploymentFieldError, match="holds the dataset of DAG regenerate_code"):
+        triggered_config("regenerate_chat", {"output": str(tmp_path / "datasets" / "code")})
+    with pytest.raises(NotRegenDag):
+        triggered_config("regenerate_dataset", {})
