@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("the output's map", ("regen.layout",)),
     ("coordination and rows", ("regen.coordination", "regen.rows")),
     ("the config", ("regen.config",)),
-    ("records and adapters", ("regen.training", "regen.results", "regen.stages", "regen.remote", "regen.manifest",
+    ("records and adapters", ("regen.config.deployment", "regen.training", "regen.results", "regen.stages", "regen.remote", "regen.manifest",
                               "regen.progress", "regen.status", "regen.alerts", "regen.engines",
                               "regen.servers.records", "regen.servers.gpus", "regen.export",
                               "regen.tinymodel", "regen.audit.findings", "regen.audit.rules",
