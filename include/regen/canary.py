@@ -23,7 +23,7 @@ from regen.placement import servers_for
 from regen.progress import RunProgress
 from regen.prompts import Prompt, read_prompts
 from regen.results import CanaryReport
-from regen.turns import user_turns
+from regen.turns import steps
 from regen.units import format_duration
 
 log = logging.getLogger("regen.canary")
@@ -55,7 +55,7 @@ def first_prompts(path: str | Path, count: int) -> tuple[list[Prompt], int]:
             total += 1
             if len(chosen) < count:
                 chosen.append(item)
-            if multi_turn is None and user_turns(item.messages) > 1:
+            if multi_turn is None and steps(item.messages) > 1:
                 multi_turn = item
     if multi_turn is not None and multi_turn not in chosen:
         chosen[-1] = multi_turn

@@ -52,6 +52,7 @@ class Request:
     id: str
     messages: list[dict]
     stamp: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict] | None = None
 
 
 class Generator:
@@ -73,7 +74,7 @@ class Generator:
 
     def payload(self, endpoint: Endpoint, request: Request) -> dict[str, Any]:
         return chat_request(endpoint.model or "default", request.messages, self.sampling,
-                            endpoint.engine.request_fields)
+                            endpoint.engine.request_fields, request.tools)
 
     async def run_one(self, request: Request) -> dict:
         last_error = "not attempted"
@@ -132,7 +133,7 @@ class Generator:
             enable_thinking=self.sampling["enable_thinking"], model=reply.model or endpoint.model,
             server=endpoint.url, attempts=attempt, latency_s=round(time.monotonic() - started, 3),
             prompt_token_ids=reply.prompt_token_ids, completion_token_ids=reply.completion_token_ids,
-        ).to_dict(), **request.stamp}
+        ).to_dict(), "tool_calls": reply.tool_calls, **request.stamp}
 
     def error_row(self, request: Request, endpoint: Endpoint, error: str, attempts: int,
                   started: float, retryable: bool) -> dict:
@@ -143,9 +144,10 @@ class Generator:
         ).to_dict(), **request.stamp, "retryable": retryable}
 
     async def converse(self, conversation: Conversation) -> dict:
-        """The conversation's remaining turns, one request each, in order."""
+        """The conversation's remaining steps, one request each, in order."""
         while True:
-            row = await self.run_one(Request(conversation.id, conversation.request_messages(), conversation.stamp))
+            row = await self.run_one(Request(conversation.id, conversation.request_messages(), conversation.stamp,
+                                             conversation.tools))
             last = row["error"] is not None or conversation.turns_left == 1
             self.pool.demand = max(0, self.pool.demand - (conversation.turns_left if last else 1))
             if row["error"] is None:
@@ -157,6 +159,10 @@ class Generator:
             if unusable:
                 self.pool.demand = max(0, self.pool.demand - (conversation.turns_left - 1))
                 return conversation.conversation_row({**row, "error": unusable, "retryable": False})
+            divergence = conversation.divergence(row)
+            if divergence:  # the row ends with this step, the model's own: not an error
+                self.pool.demand = max(0, self.pool.demand - (conversation.turns_left - 1))
+                return conversation.conversation_row(row, divergence)
             self.turn_sink(conversation.add_answer(row))
 
     async def worker(self, queue: asyncio.Queue, feed: "_Feed") -> None:

@@ -118,14 +118,14 @@ class ShardRun:
 
         order = sorted(pending, key=lambda i: (-left(i), prompts.places[i][1]))
         for item in read_at(self.cfg.prompts, [prompts.places[i] for i in order]):
-            if isinstance(item, PromptError) or prompts.hashes.get(item.id) != prompt_hash(item.messages, kwargs):
+            if isinstance(item, PromptError) or prompts.hashes.get(item.id) != prompt_hash(item.messages, kwargs, item.tools):
                 raise ShardFailed(
                     f"{self.store.name}: {self.cfg.prompts} changed while the run went on (line "
                     f"{item.line} is not what was indexed); finished rows are kept. Clear the whole "
                     f"run to regenerate from the file as it is now")
             yield Conversation(item.id, item.messages,
                                {"prompt_hash": prompts.hashes[item.id], "settings_hash": self.settings_hash},
-                               list(resumed.get(item.id, ())) if all_turns else [], all_turns)
+                               list(resumed.get(item.id, ())) if all_turns else [], all_turns, item.tools)
 
     async def _run(self) -> ShardResult:
         doc = self.manifest.ensure(self.cfg, rebuild=self.rebuild_index)
@@ -348,8 +348,8 @@ def generate_rows(cfg: RunConfig, prompts: list[Prompt], endpoints: list[tuple[s
         rows: list[dict] = []
         async with open_endpoints(endpoints, cfg, tuning) as eps:
             pool = ServerPool(eps, tuning, FairShare(cfg.layout, "canary", "", eps))
-            conversations = [Conversation(p.id, p.messages, all_turns=cfg.generation.regenerate_turns == "all")
-                             for p in prompts]
+            conversations = [Conversation(p.id, p.messages, all_turns=cfg.generation.regenerate_turns == "all",
+                                          tools=p.tools) for p in prompts]
             pool.demand = sum(c.turn_count for c in conversations)
             try:
                 await Generator(pool, cfg, tuning, rows.append).run(conversations)

@@ -28,7 +28,7 @@ from regen.errors import RegenError
 from regen.files import atomic_path, atomic_write_json, read_json
 from regen.layout import RunLayout
 from regen.prompts import PromptError, read_prompts, shard_of
-from regen.turns import user_turns
+from regen.turns import steps
 
 INDEX_SCHEMA_FIELDS = ("id", "shard", "prompt_hash", "line", "offset", "turns")
 INDEX_VERSION = 2  # an index written by an older regen (no turns) is rebuilt
@@ -44,9 +44,11 @@ def template_kwargs(cfg: RunConfig) -> dict[str, Any]:
     return {"enable_thinking": cfg.enable_thinking}
 
 
-def prompt_hash(messages: list[dict], kwargs: dict[str, Any]) -> str:
-    """Hash of exactly what is sent for a prompt: its messages and the template's kwargs."""
-    doc = msgspec.json.encode({"messages": messages, "chat_template_kwargs": kwargs})
+def prompt_hash(messages: list[dict], kwargs: dict[str, Any], tools: list[dict] | None = None) -> str:
+    """Hash of exactly what is sent for a prompt: its messages, the template's kwargs, and an
+    agentic row's tools."""
+    sent = {"messages": messages, "chat_template_kwargs": kwargs} | ({"tools": tools} if tools else {})
+    doc = msgspec.json.encode(sent)
     return hashlib.blake2b(doc, digest_size=8).hexdigest()
 
 
@@ -126,10 +128,10 @@ class PromptIndexWriter:
         c = self.columns
         c["id"].append(prompt.id)
         c["shard"].append(shard_of(prompt.id, self.cfg.generation.num_shards))
-        c["prompt_hash"].append(prompt_hash(prompt.messages, self.kwargs))
+        c["prompt_hash"].append(prompt_hash(prompt.messages, self.kwargs, prompt.tools))
         c["line"].append(prompt.line)
         c["offset"].append(prompt.offset)
-        c["turns"].append(user_turns(prompt.messages))
+        c["turns"].append(steps(prompt.messages))
 
     def write(self, layout: RunLayout) -> int:
         """The index, sorted by shard (a shard reads its slice only), beside the manifest."""

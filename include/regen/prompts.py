@@ -7,11 +7,14 @@ line, so the caller can report it and go on with the rest.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import msgspec
+
+from regen.toolcalls import answer_calls_in_order, names, normalize_calls, normalize_tools
 
 _ROLE_ALIASES = {
     "human": "user",
@@ -22,15 +25,23 @@ _ROLE_ALIASES = {
     "bot": "assistant",
     "system": "system",
     "tool": "tool",
+    "observation": "tool",  # ShareGPT's tool result
+    "function": "tool",  # OpenAI's older name for it
+    "function_call": "function_call",  # ShareGPT's assistant call(s): merged into an assistant message
 }
 
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
     id: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     line: int
     offset: int = -1  # where the record starts: a byte offset (JSONL) or a row number (Parquet)
+    tools: list[dict] | None = None  # an agentic row's tools (regen.toolcalls' shape)
+
+    @property
+    def agentic(self) -> bool:
+        return bool(self.tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in self.messages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,30 +68,49 @@ class InvalidConversation(ValueError):
 
 # The rules of SpecForge's conversation validator (scripts/conversation_validation.py, used by
 # regenerate_train_data.py on its input), each under the name preflight counts it by.
-RULES = ("empty_content", "tool_message", "late_system", "leading_assistant", "role_order", "no_user")
+RULES = ("empty_content", "tool_message", "unanswered_call", "late_system", "leading_assistant", "role_order",
+         "no_user")
 
 
 def check_conversation(messages: list[dict]) -> None:
     """Raise InvalidConversation for the first rule the messages break: every content a
-    non-empty string, system messages only before the first user message, no tool messages
-    (until tool conversations are supported), then user and assistant alternating from a user."""
-    expected, seen_user = "user", False
+    non-empty string (an assistant message that calls tools may have none), system messages only
+    before the first user message, then user and assistant alternating from a user; an assistant
+    message that calls tools is followed by one result per call (by ``tool_call_id``), then by an
+    assistant message. A result that answers no call before it cannot be replayed (``tool_message``);
+    nor can a call no result answers before the conversation goes on (``unanswered_call``)."""
+    expected, seen_user, pending, caller = "user", False, [], -1
     for i, message in enumerate(messages):
         role, content = message["role"], message.get("content")
-        if not isinstance(content, str) or not content.strip():
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if call_id not in pending:
+                raise InvalidConversation("tool_message", f"message {i} is a tool result that answers no call "
+                                          f"before it" + (f" (tool_call_id {call_id!r})" if call_id else ""))
+            if not isinstance(content, str):
+                raise InvalidConversation("empty_content", f"message {i} (tool) has no text")
+            pending.remove(call_id)
+            continue
+        if pending:
+            raise InvalidConversation("unanswered_call", f"message {caller} calls {names(messages[caller]['tool_calls'])} "
+                                      f"and no tool result answers {pending} before message {i}")
+        calls = message.get("tool_calls") if role == "assistant" else None
+        if not isinstance(content, str) or not (content.strip() or calls):
             raise InvalidConversation("empty_content", f"message {i} ({role}) has no text")
         if role == "system":
             if seen_user:
                 raise InvalidConversation("late_system", f"message {i} is a system message after a user message")
             continue
-        if role == "tool":
-            raise InvalidConversation("tool_message", f"message {i} is a tool message")
+        if role == "assistant" and i > 0 and messages[i - 1]["role"] == "tool":
+            expected = "assistant"  # the answer after the results
         if role != expected:
             if not seen_user:
                 raise InvalidConversation("leading_assistant", "the conversation starts with an assistant message")
             raise InvalidConversation("role_order", f"message {i} is a second {role} message in a row")
         seen_user = True
         expected = "assistant" if role == "user" else "user"
+        if calls:
+            pending, caller = [c["id"] for c in calls], i
     if not seen_user:
         raise InvalidConversation("no_user", "no user message")
 
@@ -91,8 +121,8 @@ def shard_of(prompt_id: str, num_shards: int) -> int:
     return int.from_bytes(digest, "big") % num_shards
 
 
-def normalize_record(record: Any) -> tuple[str, list[dict[str, str]]]:
-    """(id, request messages) of one record; raises ValueError with the reason."""
+def normalize_record(record: Any) -> tuple[str, list[dict[str, Any]], list[dict] | None]:
+    """(id, request messages, tools) of one record; raises ValueError with the reason."""
     if not isinstance(record, dict):
         raise ValueError(f"record is a {type(record).__name__}, not an object")
     if "id" not in record or record["id"] is None or str(record["id"]).strip() == "":
@@ -110,10 +140,26 @@ def normalize_record(record: Any) -> tuple[str, list[dict[str, str]]]:
         messages = [{"role": "user", "content": record["prompt"]}]
     else:
         raise ValueError("no 'messages', 'conversations' or 'prompt' field")
-    return str(prompt_id), request_messages(messages)
+    tools = normalize_tools(record.get("tools"))
+    return str(prompt_id), request_messages(messages), tools
 
 
-def _normalize_turns(turns: Any, field: str) -> list[dict[str, str]]:
+def _message(turn: dict, role: str, content: Any, where: str, index: int) -> dict[str, Any]:
+    """One message in the OpenAI shape; tool results that are objects become their JSON."""
+    if role == "tool" and content is not None and not isinstance(content, str):
+        content = json.dumps(content, ensure_ascii=False)
+    raw_calls = turn.get("tool_calls") or turn.get("function_call") if role == "assistant" else None
+    if raw_calls:
+        return {"role": role, "content": content or "", "tool_calls": normalize_calls(raw_calls, where, index)}
+    if not isinstance(content, str):
+        raise InvalidConversation("empty_content", f"{where} has no text content")
+    message = {"role": role, "content": content}
+    if role == "tool":
+        message |= {k: str(turn[k]) for k in ("tool_call_id", "name") if turn.get(k)}
+    return message
+
+
+def _normalize_turns(turns: Any, field: str) -> list[dict[str, Any]]:
     if hasattr(turns, "tolist"):  # numpy arrays from Parquet
         turns = turns.tolist()
     if not isinstance(turns, list) or not turns:
@@ -126,19 +172,27 @@ def _normalize_turns(turns: Any, field: str) -> list[dict[str, str]]:
         content = turn.get("content", turn.get("value"))
         if role not in _ROLE_ALIASES:
             raise ValueError(f"'{field}[{i}]' has unknown role {role!r}")
-        if not isinstance(content, str):
-            raise InvalidConversation("empty_content", f"'{field}[{i}]' has no text content")
-        out.append({"role": _ROLE_ALIASES[role], "content": content})
+        role = _ROLE_ALIASES[role]
+        if role == "function_call":  # the value is the call(s) the assistant makes here
+            calls = normalize_calls(content, f"'{field}[{i}]'", len(out))
+            if out and out[-1]["role"] == "assistant" and not out[-1].get("tool_calls"):
+                out[-1]["tool_calls"] = calls  # the text it said before calling
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": calls})
+            continue
+        out.append(_message(turn, role, content, f"'{field}[{i}]'", len(out)))
+    answer_calls_in_order(out)
     check_conversation(out)
     return out
 
 
-def request_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
-    """The conversation up to and including its last user turn: what the target answers."""
-    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
-    if last_user is None:
+def request_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation up to and including its last user message or tool result: what the
+    target answers (the assistant messages before it are the steps regenerated on the way)."""
+    if not any(m["role"] == "user" for m in messages):
         raise ValueError("no user turn")
-    return messages[: last_user + 1]
+    last = max(i for i, m in enumerate(messages) if m["role"] in ("user", "tool"))
+    return messages[: last + 1]
 
 
 def is_parquet(path: str | Path) -> bool:
@@ -178,12 +232,12 @@ def _prompt(path: str | Path, line: int, offset: int, record: Any) -> Prompt | P
     if isinstance(record, PromptError):
         return record
     try:
-        prompt_id, messages = normalize_record(record)
+        prompt_id, messages, tools = normalize_record(record)
     except InvalidConversation as exc:
         return PromptError(str(path), line, f"{exc} (id {record.get('id')!r})", exc.rule)
     except ValueError as exc:
         return PromptError(str(path), line, str(exc))
-    return Prompt(prompt_id, messages, line, offset)
+    return Prompt(prompt_id, messages, line, offset, tools)
 
 
 def read_prompts(path: str | Path) -> Iterator[Prompt | PromptError]:

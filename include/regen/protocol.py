@@ -19,9 +19,10 @@ class ReadsResponses(Protocol):
 
 
 def chat_request(model: str, messages: list[dict], sampling: dict[str, Any],
-                 engine_fields: dict[str, Any]) -> dict[str, Any]:
+                 engine_fields: dict[str, Any], tools: list[dict] | None = None) -> dict[str, Any]:
     """A non-streamed chat completion: ``sampling`` as RunConfig.sampling_settings() gives it,
-    ``engine_fields`` what the engine needs besides (its reasoning split, its token ids)."""
+    ``engine_fields`` what the engine needs besides (its reasoning split, its token ids), and an
+    agentic row's ``tools`` (the engine's tool-call parser returns the calls as ``tool_calls``)."""
     body: dict[str, Any] = {
         "model": model,
         "messages": messages,
@@ -35,6 +36,8 @@ def chat_request(model: str, messages: list[dict], sampling: dict[str, Any],
         body["top_k"] = sampling["top_k"]
     if sampling["seed"] is not None:
         body["seed"] = sampling["seed"]
+    if tools:
+        body["tools"] = tools
     body.update(engine_fields)
     return body
 
@@ -51,6 +54,16 @@ class ChatReply:
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[int] | None = None
     model: str | None = None
+    tool_calls: list[dict] | None = None  # regen.toolcalls' shape
+
+
+def read_tool_calls(message: dict) -> list[dict] | None:
+    """A reply's structured calls in regen's shape (arguments a JSON string, as OpenAI sends
+    them; SGLang may send an object)."""
+    from regen.toolcalls import normalize_calls
+
+    calls = message.get("tool_calls")
+    return normalize_calls(calls, "the reply's tool_calls", 0) if calls else None
 
 
 def read_chat_response(body: dict, engine: ReadsResponses) -> ChatReply:
@@ -62,7 +75,8 @@ def read_chat_response(body: dict, engine: ReadsResponses) -> ChatReply:
     return ChatReply(content=message.get("content"), reasoning_content=engine.reasoning(message),
                      finish_reason=choice.get("finish_reason"), prompt_tokens=usage.get("prompt_tokens"),
                      completion_tokens=usage.get("completion_tokens"), prompt_token_ids=prompt_ids,
-                     completion_token_ids=completion_ids, model=body.get("model"))
+                     completion_token_ids=completion_ids, model=body.get("model"),
+                     tool_calls=read_tool_calls(message))
 
 
 def chat_response(model: str, reply: ChatReply) -> dict[str, Any]:
@@ -70,7 +84,9 @@ def chat_response(model: str, reply: ChatReply) -> dict[str, Any]:
     choice: dict[str, Any] = {
         "index": 0,
         "message": {"role": "assistant", "content": reply.content,
-                    "reasoning_content": reply.reasoning_content, "tool_calls": None},
+                    "reasoning_content": reply.reasoning_content,
+                    "tool_calls": [{**call, "index": i} for i, call in enumerate(reply.tool_calls)]
+                    if reply.tool_calls else None},
         "finish_reason": reply.finish_reason,
     }
     if reply.prompt_token_ids is not None:

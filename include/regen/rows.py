@@ -17,7 +17,10 @@ import pyarrow.parquet as pq
 from regen.errors import DataError
 from regen.layout import RunLayout
 
-MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
+# An agentic message's tool calls are their JSON (a struct per call would fix one schema for
+# every tool's arguments); row_messages gives them back as lists.
+MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string()),
+                          ("tool_calls", pa.string()), ("tool_call_id", pa.string()), ("name", pa.string())])
 TOKEN_IDS = pa.list_(pa.int32())
 TURN_TYPE = pa.struct([("finish_reason", pa.string()), ("prompt_tokens", pa.int64()),
                        ("completion_tokens", pa.int64()), ("completion_token_ids", TOKEN_IDS)])
@@ -52,6 +55,14 @@ class Row:
     prompt_token_ids: list[int] | None = _col(TOKEN_IDS, audit=True)
     completion_token_ids: list[int] | None = _col(TOKEN_IDS, audit=True)
     turns: list[dict] | None = _col(pa.list_(TURN_TYPE), audit=True)
+    # Agentic rows (regen.turns): the row's tools and the last step's calls (JSON), why the
+    # conversation ended early (a step that did not make the recorded calls), the recorded
+    # results spliced in and the calls whose arguments differ from the recorded ones.
+    tools: str | None = _col(audit=True)
+    tool_calls: str | None = _col(audit=True)
+    divergence: str | None = _col(audit=True)
+    spliced_results: int | None = _col(audit=True)
+    argument_diffs: int | None = _col(audit=True)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -75,10 +86,16 @@ REQUIRED_COLUMNS = ("id", "messages", "content")  # a user's own Parquet may hol
 
 def row_messages(row: dict) -> list[dict]:
     """The row's messages as plain dicts, without the keys Parquet filled with null."""
+    import json
+
     messages = row["messages"]
     if hasattr(messages, "tolist"):
         messages = messages.tolist()
-    return [{k: v for k, v in m.items() if v is not None or k == "content"} for m in messages]
+    out = [{k: v for k, v in m.items() if v is not None or k == "content"} for m in messages]
+    for m in out:
+        if isinstance(m.get("tool_calls"), str):
+            m["tool_calls"] = json.loads(m["tool_calls"])
+    return out
 
 
 def asked_thinking(row: dict, default: bool) -> bool:

@@ -21,9 +21,9 @@ def turn_requests(path: Path, ids=None) -> dict[str, int]:
     """Per prompt (of ``ids``, default all): the requests it makes with regenerate_turns all,
     one per user turn."""
     from regen.prompts import Prompt, read_prompts
-    from regen.turns import user_turns
+    from regen.turns import steps
 
-    return {p.id: user_turns(p.messages) for p in read_prompts(path)
+    return {p.id: steps(p.messages) for p in read_prompts(path)
             if isinstance(p, Prompt) and (ids is None or p.id in ids)}
 
 
