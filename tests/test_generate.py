@@ -59,7 +59,8 @@ def test_shards_write_every_id_once_with_the_design_columns(sim_servers, tmp_pat
         f"{shard_name(s, 3)}.parquet" for s in range(3)]
     assert df["error"].isna().all()
     assert set(df["server"]) == {r.url for r in records}  # both servers took work
-    assert list(df["messages"].iloc[0][0].keys()) == ["role", "content", "reasoning_content"]
+    assert list(df["messages"].iloc[0][0].keys()) == ["role", "content", "reasoning_content",
+                                                      "tool_calls", "tool_call_id", "name"]  # null but in agentic rows
     progress = json.loads((out / "progress.json").read_text())
     assert progress["done"] == progress["total"] == len(df)
     assert not list((out / "work" / "journal").glob("*.jsonl"))  # journals folded into data/
