@@ -85,3 +85,66 @@ def test_the_judge_catches_drift(sim_servers):
 def test_vllm_accepts_regens_requests(make_config):
     problems = judged(VLLM_PYTHON, {"engine": "vllm", "requests": bodies(make_config(), "vllm"), "responses": []})
     assert problems == []
+
+
+TOOLS = [{"type": "function", "function": {"name": name, "description": f"The {what} of a city.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    for name, what in (("get_weather", "weather"), ("get_time", "local time"), ("get_date", "date"))]
+AGENTIC = [
+    {"role": "system", "content": "Use the tools."},
+    {"role": "user", "content": "Weather and time in Paris? [tools: get_weather+get_time]"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "rec-1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "rec-2", "type": "function", "function": {"name": "get_time", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "rec-1", "content": "18 C, clear"},
+    {"role": "tool", "tool_call_id": "rec-2", "content": "14:05"},
+    {"role": "assistant", "content": "18 C and clear, at 14:05."},
+]
+
+
+def agentic_exchange(cfg, url: str, api_key: str) -> tuple[list[dict], list[dict]]:
+    """A two-step agentic conversation as regen regenerates it: its requests (the second with
+    the recorded results spliced after the model's own calls) and the simulator's answers."""
+    from regen.prompts import request_messages
+    from regen.protocol import read_chat_response
+    from regen.turns import Conversation
+
+    conversation = Conversation("a", request_messages(AGENTIC), tools=TOOLS)
+    generator = Generator(None, cfg, ClientTuning(), lambda row: None)
+    endpoint = Endpoint(url=url, api_key=api_key, engine=engine("sglang"), model="m")
+    requests, responses = [], []
+    for _ in range(conversation.turn_count):
+        body = generator.payload(endpoint, Request("a", conversation.request_messages(), {}, conversation.tools))
+        requests.append(msgspec.json.decode(msgspec.json.encode(body)))
+        responses.append(httpx.post(f"{url}/v1/chat/completions", json=requests[-1], timeout=60,
+                                    headers={"Authorization": f"Bearer {api_key}"}).json())
+        reply = read_chat_response(responses[-1], engine("sglang"))
+        row = {"content": reply.content, "tool_calls": reply.tool_calls, "reasoning_content": reply.reasoning_content}
+        assert conversation.divergence(row) is None
+        conversation.add_answer(row)
+    return requests, responses
+
+
+def test_agentic_requests_and_tool_call_answers_are_sglangs_and_vllms(sim_servers):
+    """regen's requests for each step of a conversation with parallel calls (tools, the model's
+    own calls, the recorded results under the model's call ids) pass SGLang 0.5.23's request
+    model and its own tool-call pairing check, and vLLM's request model; the simulator's tool
+    calls pass SGLang's response model."""
+    cfg, records = sim_servers(num_servers=1, tool_call_parser="qwen25")
+    requests, responses = agentic_exchange(cfg, records[0].url, records[0].api_key)
+    first, second = (r["choices"][0] for r in responses)
+    assert first["finish_reason"] == "tool_calls" and first["message"]["content"] == ""
+    calls = first["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"] and [c["index"] for c in calls] == [0, 1]
+    spliced = [m for m in requests[1]["messages"] if m["role"] == "tool"]
+    assert [(m["tool_call_id"], m["content"]) for m in spliced] == [(calls[0]["id"], "18 C, clear"),
+                                                                    (calls[1]["id"], "14:05")]
+    assert requests[1]["tools"] == TOOLS and second["finish_reason"] == "stop" and second["message"]["content"]
+    assert judged(SGLANG_PYTHON, {"engine": "sglang", "requests": requests, "responses": responses}) == []
+    as_vllm = [{k: v for k, v in r.items() if k not in engine("sglang").request_fields} | engine("vllm").request_fields
+               for r in requests]  # the same messages and tools, with vLLM's own fields
+    assert judged(VLLM_PYTHON, {"engine": "vllm", "requests": as_vllm, "responses": []}) == []
+    # The judge sees a result that answers no call of the request.
+    orphan = {**requests[1], "messages": [*requests[1]["messages"][:-1], {**spliced[-1], "tool_call_id": "other"}]}
+    problems = judged(SGLANG_PYTHON, {"engine": "sglang", "requests": [orphan], "responses": []})
+    assert any("tool-call pairing" in p and "'other'" in p for p in problems), problems

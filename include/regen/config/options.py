@@ -197,7 +197,7 @@ class GenerationOptions(Options):
     skip_invalid: bool = Field(
         False, title="Skip invalid conversations",
         description="Conversations SpecForge's validator refuses (two messages of one role in a row, a "
-                    "leading assistant, a late system message, empty content, tool messages) are left "
+                    "leading assistant, a late system message, empty content, a tool result that answers no call) are left "
                     "out before any request and listed in work/skipped.jsonl. Off: preflight fails on "
                     "them, counted per rule.")
     num_shards: int = Field(

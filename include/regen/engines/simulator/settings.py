@@ -26,6 +26,8 @@ class SimSettings:
     api_key: str | None = _flag("--api-key")
     speculative_algorithm: str | None = _flag("--speculative-algorithm")
     reasoning_parser: str | None = _flag("--reasoning-parser")
+    tool_call_parser: str | None = _flag("--tool-call-parser", "return the calls a reply makes as `tool_calls` "
+                                         "(without it, as SGLang: the call's raw text in `content`)")
     seed: int = _flag("--random-seed", default=0)
     dp_size: int = _flag("--dp-size", "data parallel ranks: each runs up to the per-rank limit, and "
                          "/server_info reports one internal state per rank, as SGLang", 1)
@@ -41,6 +43,8 @@ class SimSettings:
     ttft_s: float = _flag("--sim-ttft", "time to first token (s)", 0.0)
     failure_rate: float = _flag("--sim-failure-rate", "fraction of requests answered with HTTP 500", 0.0)
     hang_rate: float = _flag("--sim-hang-rate", "fraction of requests that never answer", 0.0)
+    tool_divergence: float = _flag("--sim-tool-divergence", "fraction of tool-calling steps that call another "
+                                   "tool of the request than the prompt asks for (or none), per prompt", 0.0)
     ignore_thinking: bool = _flag("--sim-ignore-thinking", "answer like a server launched with "
                                   "thinking off", False)
     ignore_thinking_after: int | None = _flag(
@@ -72,7 +76,7 @@ def argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--enable-metrics", action="store_true", help="accepted; metrics are always on")
-    for flag in ("--tp-size", "--tool-call-parser", "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",
+    for flag in ("--tp-size", "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",
                  "--mem-fraction-static", "--max-mamba-cache-size"):
         p.add_argument(flag, default=None, help="accepted for SGLang parity; no effect")
     for f in fields(SimSettings):

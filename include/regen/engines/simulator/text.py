@@ -43,6 +43,40 @@ def compose(messages: list[dict], thinking: bool, seed: int | None, base_seed: i
     return reasoning, answer
 
 
+def _call(tool: dict, step: int, call_id: str) -> dict:
+    properties = ((tool["function"].get("parameters") or {}).get("properties") or {})
+    arguments = {name: f"{name} {step}" for name in sorted(properties)}
+    return {"id": call_id, "type": "function",
+            "function": {"name": tool["function"]["name"], "arguments": json.dumps(arguments)}}
+
+
+def plan_calls(messages: list[dict], tools: list[dict] | None, divergence: float, seed: int | None,
+               base_seed: int = 0) -> list[dict] | None:
+    """The calls the simulator makes for a request, or None (it answers). The last user message
+    asks for them: ``[tools: a+b; c]`` calls a and b at once, then c once their results are back,
+    then answers; a tool of the request named in the text is called once. With ``divergence``,
+    that share of steps (by prompt, deterministic) calls another tool, or none."""
+    if not tools:
+        return None
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    text = str(messages[last_user].get("content") or "")
+    by_name = {t["function"]["name"]: t for t in tools}
+    if "[tools:" in text:
+        plan = [[n.strip() for n in group.split("+") if n.strip()]
+                for group in text.split("[tools:", 1)[1].split("]", 1)[0].split(";")]
+    else:
+        plan = [[n for n in sorted(by_name, key=text.find) if n in text]]
+    step = sum(1 for m in messages[last_user:] if m["role"] == "assistant" and m.get("tool_calls"))
+    group = [n for n in plan[step] if n in by_name] if step < len(plan) else []
+    rng = _rng(messages, seed, base_seed)
+    if group and rng.random() < divergence:
+        others = [n for n in by_name if n not in group]
+        group = [others[0]] if others else []
+    key = json.dumps(messages, sort_keys=True)
+    return [_call(by_name[n], step, "call_" + hashlib.sha256(f"{key}|{j}".encode()).hexdigest()[:24])
+            for j, n in enumerate(group)] or None
+
+
 def count_prompt_tokens(messages: list[dict]) -> int:
     return sum(len(str(m.get("content", "")).split()) + 4 for m in messages) + 2
 
