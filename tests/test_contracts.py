@@ -17,6 +17,7 @@ import msgspec
 from regen.client import Generator, Request
 from regen.dispatch import ClientTuning, Endpoint
 from regen.engines import engine
+from support.data import TOOLS
 from support.engines import SGLANG_PYTHON, VLLM_PYTHON
 from support.paths import ROOT
 
@@ -87,9 +88,6 @@ def test_vllm_accepts_regens_requests(make_config):
     assert problems == []
 
 
-TOOLS = [{"type": "function", "function": {"name": name, "description": f"The {what} of a city.", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-    for name, what in (("get_weather", "weather"), ("get_time", "local time"), ("get_date", "date"))]
 AGENTIC = [
     {"role": "system", "content": "Use the tools."},
     {"role": "user", "content": "Weather and time in Paris? [tools: get_weather+get_time]"},

@@ -8,13 +8,8 @@ import pandas as pd
 import pytest
 
 from regen.prompts import Prompt, PromptError, read_prompts, shard_of
-from support.data import read_ids
+from support.data import read_ids, write_jsonl
 from support.paths import ROOT
-
-
-def write_jsonl(path, records):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
-    return path
 
 
 def test_the_three_formats_become_chat_messages(tmp_path):

@@ -132,7 +132,7 @@ def check_prompts(cfg: RunConfig, report: PreflightReport, max_listed: int = 20)
     bad: list[str] = []
     duplicates: list[str] = []
     refused: dict[str, list[PromptError]] = {}
-    count, longest_chars, longest, with_history = 0, 0, None, 0
+    count, longest_chars, longest, with_history, agentic = 0, 0, None, 0, 0
     try:
         for item in read_prompts(path):
             problem = index.feed(item)
@@ -145,6 +145,7 @@ def check_prompts(cfg: RunConfig, report: PreflightReport, max_listed: int = 20)
                 continue
             count += 1
             with_history += any(m["role"] == "assistant" for m in item.messages)
+            agentic += item.agentic
             chars = sum(len(m["content"]) for m in item.messages)
             if chars > longest_chars:
                 longest_chars, longest = chars, item
@@ -152,6 +153,7 @@ def check_prompts(cfg: RunConfig, report: PreflightReport, max_listed: int = 20)
         report.problems.append(f"prompts {path}: cannot be read: {exc}")
         return
     report.info["prompts"] = count
+    report.info["agentic_prompts"] = agentic
     report.info["longest_prompt_chars"] = longest_chars
     report.info["_longest_prompt"] = longest
     report.info["_index"] = index
@@ -181,6 +183,11 @@ def check_prompts(cfg: RunConfig, report: PreflightReport, max_listed: int = 20)
             f"regenerate_turns last with thinking on: {with_history:,} conversations keep "
             f"the dataset's own earlier assistant turns, which have no reasoning; SpecForge's expander "
             f"and validator would drop every one after the GPU time is spent. Use regenerate_turns all")
+    if agentic and not cfg.engine_options.tool_call_parser:
+        report.problems.append(
+            f"prompts {path}: {agentic:,} agentic conversations (tools, tool calls) and no tool_call_parser: "
+            f"the engine would answer every call as text, so no recorded result could be spliced in; set "
+            f"tool_call_parser to the model's (e.g. qwen25 for Qwen3)")
     if count == 0 and not bad:
         report.problems.append(f"prompts {path}: no prompts in the file")
 
@@ -434,6 +441,8 @@ def check(cfg: RunConfig, code: bool = True, run_id: str = "cli",
                                    f"{info.get('prompts', 0):,} prompts"
                                    + (f" ({sum(info['skipped_conversations'].values()):,} skipped)"
                                       if info.get("skipped_conversations") else "")
+                                   + (f", {info['agentic_prompts']:,} of them agentic"
+                                      if info.get("agentic_prompts") else "")
                                    + f", engine {cfg.engine}, training as {info.get('train_template')} "
                                    f"({info.get('train_layout')} layout); {work}"
                                    + (f"\n{plan_line(info['servers'])}" if "servers" in info else ""))

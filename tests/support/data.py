@@ -91,3 +91,31 @@ def write_conversations(path: Path, count: int, turns: int = 3, singles: int = 0
         for i in range(singles):
             fh.write(json.dumps({"id": f"s{i}", "prompt": f"Single question {i}?"}) + "\n")
     return path
+
+
+TOOLS = [{"type": "function", "function": {"name": name, "description": f"The {what} of a city.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    for name, what in (("get_weather", "weather"), ("get_time", "local time"), ("get_date", "date"))]
+
+
+def agentic_messages(marker: str, plan: list[list[str]], recorded: list[list[str]] | None = None) -> list[dict]:
+    """A conversation whose user asks for ``plan`` (the simulator's ``[tools: a+b; c]``: calls
+    made at once, then the next) and whose dataset holds the ``recorded`` calls (default: the
+    plan), each answered by its result, then a final answer."""
+    text = "; ".join("+".join(group) for group in plan)
+    messages = [{"role": "system", "content": "Use the tools."},
+                {"role": "user", "content": f"{marker}: what about Paris? [tools: {text}]"}]
+    for k, group in enumerate(recorded or plan):
+        calls = [{"id": f"{marker}-{k}-{j}", "type": "function",
+                  "function": {"name": name, "arguments": json.dumps({"city": "Paris"})}}
+                 for j, name in enumerate(group)]
+        messages.append({"role": "assistant", "content": "", "tool_calls": calls})
+        messages += [{"role": "tool", "tool_call_id": c["id"], "content": f"result of {c['id']}"} for c in calls]
+    messages.append({"role": "assistant", "content": "Done: it is fine in Paris."})
+    return messages
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    """One record a line: an object as JSON, a string as it is (a broken line, on purpose)."""
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path

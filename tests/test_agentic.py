@@ -1,0 +1,161 @@
+"""Agentic conversations: every assistant message a step, the model's own tool calls, the recorded
+results spliced in by call, a divergence ending the conversation (issue: agentic conversations).
+
+Real simulated servers that answer tool calls as SGLang does and log every request they receive;
+SIGKILL where the issue says killed."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from collections import Counter
+
+import pandas as pd
+import pytest
+
+from regen.prompts import Prompt, PromptError, read_prompts
+from regen.store import Journal
+from support.data import TOOLS, agentic_messages, cli, settle, write_jsonl
+from support.processes import wait_until
+
+OPENAI = {"id": "o", "tools": TOOLS, "messages": [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": {"celsius": 18}},
+    {"role": "assistant", "content": "18 C."}]}
+
+
+def test_openai_and_sharegpt_spellings_become_one_shape(tmp_path):
+    """Tool calls with object arguments, the older `function_call`, ShareGPT's `function_call`
+    and `observation` turns with `tools` as a JSON string: one normalized conversation."""
+    legacy = {"id": "l", "functions": None, "tools": TOOLS, "messages": [
+        OPENAI["messages"][0], {"role": "assistant", "content": "", "function_call": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"role": "function", "name": "get_weather", "content": '{"celsius": 18}'}, OPENAI["messages"][3]]}
+    sharegpt = {"id": "s", "tools": json.dumps(TOOLS), "conversations": [
+        {"from": "human", "value": "Weather in Paris?"},
+        {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+        {"from": "observation", "value": '{"celsius": 18}'}, {"from": "gpt", "value": "18 C."}]}
+    prompts = list(read_prompts(write_jsonl(tmp_path / "p.jsonl", [OPENAI, legacy, sharegpt])))
+    assert all(isinstance(p, Prompt) and p.agentic and p.tools == TOOLS for p in prompts), prompts
+    for p in prompts:
+        user, call, result = p.messages  # the final answer is the step regenerated last
+        assert call["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+        assert result == {"role": "tool", "tool_call_id": call["tool_calls"][0]["id"], "content": '{"celsius": 18}',
+                          **({"name": "get_weather"} if p.id == "l" else {})}
+
+
+@pytest.mark.parametrize("messages, rule, where", [
+    ([{"role": "user", "content": "u"}, {"role": "tool", "content": "{}"}], "tool_message", "message 1"),
+    ([{"role": "user", "content": "u"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "a", "function": {"name": "get_time", "arguments": "{}"}}]},
+      {"role": "tool", "tool_call_id": "b", "content": "{}"}], "tool_message", "tool_call_id 'b'"),
+    ([{"role": "user", "content": "u"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "a", "function": {"name": "get_time", "arguments": "{}"}}]}, {"role": "user", "content": "u2"}],
+     "unanswered_call", "['get_time']"),
+])
+def test_what_cannot_be_replayed_is_refused_by_rule_naming_the_line(tmp_path, messages, rule, where):
+    path = write_jsonl(tmp_path / "p.jsonl", [OPENAI, {"id": "bad", "messages": messages}])
+    good, bad = read_prompts(path)
+    assert isinstance(good, Prompt)
+    assert isinstance(bad, PromptError) and (bad.rule, bad.line) == (rule, 2) and where in bad.reason, bad
+
+
+def test_preflight_counts_agentic_rows_and_asks_for_the_tool_call_parser(make_config, tmp_path):
+    from regen.pipeline import run
+    from regen.preflight import PreflightFailed
+
+    path = write_jsonl(tmp_path / "p.jsonl", [OPENAI, {"id": "chat", "prompt": "Hello?"}])
+    with pytest.raises(PreflightFailed) as err:
+        run("preflight", make_config(prompts=str(path)))
+    assert any("1 agentic conversations (tools, tool calls) and no tool_call_parser" in p for p in err.value.problems)
+    result = run("preflight", make_config(prompts=str(path), tool_call_parser="qwen25"))
+    assert result.info["agentic_prompts"] == 1 and "2 prompts, 1 of them agentic" in result.summary
+
+
+def logged_steps(log) -> list[tuple[str, int]]:
+    """(conversation, step) of every request a server received: its marker and how many
+    assistant messages it already holds."""
+    out = []
+    for line in log.read_text().splitlines():
+        messages = json.loads(line)["messages"]
+        user = next(m["content"] for m in messages if m["role"] == "user")
+        out.append((user.split(":")[0], sum(m["role"] == "assistant" for m in messages)))
+    return out
+
+
+def test_a_kill_mid_way_through_five_step_conversations_resumes_step_by_step(sim_servers, tmp_path):
+    """Five-step conversations (four tool steps, then the answer), one with parallel calls,
+    one whose model calls another tool than the dataset recorded, one preflight refuses;
+    SIGKILL while they are under way; the rerun requests only the steps without a journaled
+    answer, and the rows hold every recorded result after the model's own call, by call id."""
+    five = [["get_weather"], ["get_time"], ["get_date"], ["get_weather"]]
+    rows = [{"id": f"a{i}", "tools": TOOLS, "messages": agentic_messages(f"Agent {i}", five)} for i in range(24)]
+    rows += [{"id": "parallel", "tools": TOOLS, "messages": agentic_messages(
+                 "Parallel", [["get_weather", "get_time"], ["get_date"]])},
+             {"id": "diverges", "tools": TOOLS, "messages": agentic_messages(
+                 "Diverges", [["get_weather"], ["get_time"]], recorded=[["get_weather"], ["get_date"]])},
+             {"id": "refused", "messages": [{"role": "user", "content": "Refused: hi"},
+                                            {"role": "tool", "content": "a result nobody asked for"}]}]
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    log = tmp_path / "requests.jsonl"
+    cfg, records = sim_servers(prompts=str(prompts), num_shards=1, sim_tokens_per_second=400, concurrency_per_server=4,
+                               tool_call_parser="qwen25", skip_invalid=True,
+                               extra_server_args=["--sim-request-log", str(log)])
+    output = tmp_path / "ds"
+    args = cli("--prompts", cfg.prompts, "--output", str(output), "--endpoints", ",".join(r.url for r in records),
+               "--num-shards", "1", "--concurrency-per-server", "4", "--api-key", records[0].api_key,
+               "--tool-call-parser", "qwen25", "--skip-invalid")
+    from regen.layout import RunLayout
+
+    journal = RunLayout(output).journal(0, 1)
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def under_way() -> bool:
+        partial = list(Journal.rows(journal, partial=True))
+        return (any(r.get("turn", 0) >= 2 for r in partial) and len(list(Journal.rows(journal))) >= 2) \
+            or proc.poll() is not None
+
+    try:
+        wait_until(under_way, 120, "conversations under way")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    settle(records)
+    finished = {r["id"] for r in Journal.rows(journal)}
+    done = Counter()
+    for row in Journal.rows(journal, partial=True):
+        done[row["id"]] = max(done[row["id"]], row["turn"] + 1)
+    assert finished and any(0 < done[i] < 5 for i in done if i not in finished), (finished, done)
+    steps = {f"a{i}": ("Agent " + str(i), 5) for i in range(24)} | {"parallel": ("Parallel", 3),
+                                                                     "diverges": ("Diverges", 2)}
+    expected = Counter({(marker, k): 1 for i, (marker, count) in steps.items() if i not in finished
+                        for k in range(done[i], count)})
+
+    log.unlink()
+    rerun = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert Counter(logged_steps(log)) == expected
+    df = pd.read_parquet(output / "data").set_index("id")
+    assert sorted(df.index) == sorted(steps)  # the refused row: never sent, no row
+    for i in [f"a{i}" for i in range(24)] + ["parallel"]:
+        messages = [{**m, "tool_calls": json.loads(m["tool_calls"]) if m["tool_calls"] else None}
+                    for m in df.loc[i, "messages"]]
+        calls = {c["id"]: c["function"]["name"] for m in messages for c in m["tool_calls"] or []}
+        results = [m for m in messages if m["role"] == "tool"]
+        assert len(results) == len(calls) == (2 * 1 + 1 if i == "parallel" else 4), (i, messages)
+        for m in results:  # each recorded result answers the model's own call of that function
+            recorded_id = m["content"].removeprefix("result of ")
+            position = int(recorded_id.rsplit("-", 2)[1]), int(recorded_id.rsplit("-", 1)[1])
+            assert calls[m["tool_call_id"]] == (five if i != "parallel" else [["get_weather", "get_time"], ["get_date"]]
+                                               )[position[0]][position[1]]
+        assert pd.isna(df.loc[i, "divergence"]) and df.loc[i, "spliced_results"] == len(results)
+        assert df.loc[i, "argument_diffs"] == len(calls)  # the model's arguments kept, not the recorded ones
+        assert df.loc[i, "finish_reason"] == "stop" and json.loads(df.loc[i, "tools"]) == TOOLS
+    diverged = df.loc["diverges"]
+    assert diverged["divergence"] == ("tool_divergence: step 1: the model called ['get_time'] where the recorded "
+                                      "step calls ['get_date']")
+    assert pd.isna(diverged["error"]) and json.loads(diverged["tool_calls"])[0]["function"]["name"] == "get_time"
+    assert len(diverged["turns"]) == 2 and diverged["spliced_results"] == 1
