@@ -14,7 +14,7 @@ PACKAGE = ROOT / "include" / "regen"
 # A module belongs to the longest prefix listed.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundations", ("regen.errors", "regen.units", "regen.machine", "regen.paths", "regen.files",
-                     "regen.procs", "regen.transport", "regen.logrelay", "regen.turns", "regen.prompts",
+                     "regen.procs", "regen.transport", "regen.logrelay", "regen.toolcalls", "regen.turns", "regen.prompts",
                      "regen.protocol", "regen.chat", "regen.engines.simulator.settings",
                      "regen.engines.simulator.text", "regen.engines.simulator.batching")),
     ("the output's map", ("regen.layout",)),

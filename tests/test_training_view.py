@@ -68,29 +68,68 @@ def run_oracle(mode: str, tokenizer_dir, export, template: str, lengths: list[in
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("template, thinking, cut_at, layout", [
-    ("qwen3-thinking", True, 256, "conversation"), ("qwen3-thinking", True, 256, "events"),
-    ("qwen3.5", True, 256, "events"), ("qwen3-instruct", False, 96, "conversation")])
-def test_loss_tokens_equal_specforges_parser_uncut_and_cut(qwen3_tokenizer_dir, tmp_path, template, thinking,
-                                                           cut_at, layout):
+def make_agentic_rows(thinking: bool, count: int = 30) -> list[dict]:
+    """Agentic rows as regen writes them: tools on the row (JSON), assistant steps with their
+    calls (one or several at once) and reasoning, each recorded result a tool message answering
+    the model's call id, then a final answer; some go on with a second user turn, some end with
+    a step that calls a tool (a divergence), one's calls have arguments that are not JSON."""
+    from support.data import TOOLS
+
+    rng = random.Random(11 if thinking else 12)
+    rows = []
+    for i in range(count):
+        messages = [{"role": "system", "content": "Use the tools."}] if i % 3 == 0 else []
+        turns_out = []
+        for turn in range(1 if i % 4 else 2):
+            messages.append({"role": "user", "content": text(rng, rng.randint(5, 40))})
+            for step in range(rng.randint(1, 3)):
+                calls = [{"id": f"call_{i}_{turn}_{step}_{j}", "type": "function", "function": {
+                    "name": rng.choice(TOOLS)["function"]["name"],
+                    "arguments": "{not json" if i == 5 else json.dumps({"city": text(rng, 2)}, ensure_ascii=False)}}
+                    for j in range(rng.choice((1, 1, 2)))]
+                messages.append({"role": "assistant", "content": text(rng, 6) if step % 2 else "",
+                                 "reasoning_content": text(rng, rng.randint(10, 80)) if thinking else None,
+                                 "tool_calls": json.dumps(calls)})
+                messages += [{"role": "tool", "tool_call_id": c["id"], "content": text(rng, rng.randint(3, 30))}
+                             for c in calls]
+                turns_out.append({"finish_reason": "tool_calls", "prompt_tokens": 10, "completion_tokens": 50})
+            if turn == 0 and i % 4 == 0:
+                messages.append({"role": "assistant", "content": text(rng, 20),
+                                 "reasoning_content": text(rng, 40) if thinking else None})
+                turns_out.append({"finish_reason": "stop", "prompt_tokens": 10, "completion_tokens": 50})
+        diverged = i % 7 == 6
+        final_calls = [{"id": f"call_{i}_end", "type": "function", "function": {
+            "name": "get_date", "arguments": '{"city": "Oslo"}'}}] if diverged else None
+        turns_out.append({"finish_reason": "tool_calls" if diverged else "stop", "prompt_tokens": 10,
+                          "completion_tokens": 100})
+        rows.append({"id": f"t{i}", "messages": messages, "tools": json.dumps(TOOLS),
+                     "reasoning_content": text(rng, rng.randint(20, 300)) if thinking else None,
+                     "content": "" if diverged else text(rng, rng.randint(3, 80)),
+                     "tool_calls": json.dumps(final_calls) if final_calls else None,
+                     "divergence": "tool_divergence: step 1: ..." if diverged else None,
+                     "finish_reason": "tool_calls" if diverged else "stop", "completion_tokens": 100, "error": None,
+                     "enable_thinking": thinking, "turns": turns_out})
+    return rows
+
+
+def assert_loss_tokens_are_specforges(tokenizer_dir, tmp_path, rows, template, thinking, cut_at, layout):
     """Per sample as exported (a conversation, or an event ``ID#turnK`` trained on its last turn
-    only, as ``train_only_last_turn`` does), regen's loss tokens are SpecForge's."""
+    only, as ``train_only_last_turn`` does), regen's loss tokens are SpecForge's, uncut and cut."""
     data = tmp_path / "out" / "data"
     data.mkdir(parents=True)
-    rows = make_rows(thinking)
     pq.write_table(pa.Table.from_pylist(rows, schema=ROW_SCHEMA), data / "shard.parquet")
     export = tmp_path / "train.jsonl"
     written = export_sharegpt(data, export, expect_reasoning=thinking, layout=layout).written
-    assert written == (60 if layout == "conversation" else sum(len(r["turns"]) for r in rows))
+    assert written == (len(rows) if layout == "conversation" else sum(len(r["turns"]) for r in rows))
 
     audited = {}
     for length in (None, cut_at):
-        report = audit_dataset(data, qwen3_tokenizer_dir, tmp_path / f"audit-{length}",
+        report = audit_dataset(data, tokenizer_dir, tmp_path / f"audit-{length}",
                                AuditThresholds(16, 1.0, template, length, layout), default_thinking=thinking)
         samples = pq.read_table(tmp_path / f"audit-{length}" / "samples.parquet").to_pylist()
         audited[length] = {s["id"]: s for s in samples}
         assert report.summary.audited == written
-    expected = oracle(qwen3_tokenizer_dir, export, template, [UNCUT, cut_at], last_turn_only=layout == "events")
+    expected = oracle(tokenizer_dir, export, template, [UNCUT, cut_at], last_turn_only=layout == "events")
     assert set(expected) == set(audited[None])  # the audit judged exactly the rows the export wrote
 
     uncut = {i: audited[None][i]["loss_tokens"] for i in expected}
@@ -102,6 +141,35 @@ def test_loss_tokens_equal_specforges_parser_uncut_and_cut(qwen3_tokenizer_dir, 
     assert all(audited[cut_at][i]["tokens"] > cut_at for i in shortened)
     assert sum(uncut.values()) > sum(cut.values())
     assert min(uncut.values()) > 0
+    return export
+
+
+@pytest.mark.parametrize("template, thinking, cut_at, layout", [
+    ("qwen3-thinking", True, 256, "conversation"), ("qwen3-thinking", True, 256, "events"),
+    ("qwen3.5", True, 256, "events"), ("qwen3-instruct", False, 96, "conversation")])
+def test_loss_tokens_equal_specforges_parser_uncut_and_cut(qwen3_tokenizer_dir, tmp_path, template, thinking,
+                                                           cut_at, layout):
+    assert_loss_tokens_are_specforges(qwen3_tokenizer_dir, tmp_path, make_rows(thinking), template, thinking,
+                                      cut_at, layout)
+
+
+@pytest.mark.parametrize("template, thinking, cut_at, layout", [
+    ("qwen3-thinking", True, 384, "conversation"), ("qwen3-thinking", True, 256, "events"),
+    ("qwen3-instruct", False, 256, "conversation")])
+def test_agentic_loss_tokens_equal_specforges_parser_with_tools(qwen3_tokenizer_dir, tmp_path, template, thinking,
+                                                                cut_at, layout):
+    """Agentic rows, rendered with their tools by the real Qwen3 template: the tool calls and
+    results in the history, calls made at once, a row that ends on a call, arguments that are
+    not JSON (SpecForge renders them as {}): regen's loss tokens are SpecForge's in both
+    layouts, and the export is SpecForge's tool-use shape."""
+    rows = make_agentic_rows(thinking)
+    export = assert_loss_tokens_are_specforges(qwen3_tokenizer_dir, tmp_path, rows, template, thinking, cut_at, layout)
+    records = [json.loads(line) for line in export.read_text().splitlines()]
+    assert all(isinstance(r["tools"], list) and r["tools"][0]["type"] == "function" for r in records)
+    calls = [m for r in records for m in r["conversations"] if m.get("tool_calls")]
+    results = [m for r in records for m in r["conversations"] if m["role"] == "tool"]
+    assert calls and results and all(m["tool_call_id"].startswith("call_") for m in results)
+    assert any(r["conversations"][-1].get("tool_calls") for r in records)  # a row that ends on a call
 
 
 def test_qwen3_templates_drop_history_reasoning_so_the_default_layout_is_events(qwen3_tokenizer_dir, tiny_model):

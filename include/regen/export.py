@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from regen.chat.loss import assistant_spans, training_tokens
-from regen.chat.render import generation_prefill, load_tokenizer, render, resolve_training, training_messages
+from regen.chat.render import generation_prefill, load_tokenizer, render, resolve_training
 from regen.chat.templates import TRAIN_TEMPLATES
 from regen.files import atomic_file
 from regen.layout import RunLayout
-from regen.rows import asked_thinking, iter_batches, row_messages
-from regen.training import TrainLayout, conversation_record, event_records, training_samples, why_left_out
+from regen.rows import asked_thinking, iter_batches
+from regen.training import TrainLayout, conversation_record, event_records, training_conversation, training_samples, why_left_out
 
 @dataclass
 class ExportResult:
@@ -79,9 +79,8 @@ def export_tokens(data_dir: str | Path, out: str | Path, tokenizer_dir: str | Pa
             return [], "failed"
         if sample.get("left_out"):
             return [], sample["left_out"]
-        conversation = training_messages(row_messages(sample), sample.get("reasoning_content"),
-                                         sample.get("content"), template)
-        text = render(tokenizer, [conversation], template.render_thinking)[0]
+        conversation, tools = training_conversation(sample, template)
+        text = render(tokenizer, [conversation], template.render_thinking, [tools])[0]
         ids, mask, ranges = training_tokens(tokenizer, text, template.fmt, template.ignore, layout == "events")
         completion = sample.get("completion_token_ids")
         if completion is not None and ranges:

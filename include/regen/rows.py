@@ -98,6 +98,23 @@ def row_messages(row: dict) -> list[dict]:
     return out
 
 
+def row_tools(row: dict) -> list[dict] | None:
+    """An agentic row's tools (None for a chat row)."""
+    import json
+
+    return json.loads(row["tools"]) if row.get("tools") else None
+
+
+def final_message(row: dict) -> dict:
+    """The row's last step as an assistant message: its answer, reasoning and tool calls."""
+    import json
+
+    message = {"role": "assistant", "content": row.get("content"), "reasoning_content": row.get("reasoning_content")}
+    if row.get("tool_calls"):
+        message["tool_calls"] = json.loads(row["tool_calls"])
+    return message
+
+
 def asked_thinking(row: dict, default: bool) -> bool:
     """Whether the row was generated with thinking on (rows of older data may not say)."""
     thinking = row.get("enable_thinking")

@@ -8,28 +8,49 @@ and the audit alike.
   "Multi-turn structured reasoning"; ``scripts/expand_reasoning_conversations.py``): one record per
   assistant turn, ``ID#turnK``, its history with earlier answers' visible content only, trained
   with ``train_only_last_turn``. A conversation any of whose turns is invalid is left out whole.
+
+Agentic rows are SpecForge's tool-use shape in both layouts: ``tools`` on the record (its data
+loader passes them to the chat template), each assistant step with its ``tool_calls``, each
+recorded result a ``tool`` message. SpecForge's own expander and validator take user and
+assistant messages only; regen's events of an agentic row are one per assistant step, as theirs
+are per turn, the history keeping the tool calls and results it was generated after.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from regen.rows import asked_thinking, row_messages
+from regen.rows import asked_thinking, final_message, row_messages, row_tools
 
 TrainLayout = Literal["events", "conversation"]
 THINK_MARKERS = ("<think>", "</think>")
 
 
+# The keys a message of an exported record keeps, by role.
+_KEYS = {"assistant": ("reasoning_content", "tool_calls"), "tool": ("tool_call_id", "name")}
+
+
 def conversation_record(row: dict) -> dict:
-    """Every regenerated turn, each assistant turn with its reasoning, then the last one."""
+    """Every regenerated step, each assistant step with its reasoning and tool calls, then the
+    last one; an agentic row's tools on the record."""
     conversations = []
-    for m in [*row_messages(row), {"role": "assistant", "content": row["content"],
-                                   "reasoning_content": row.get("reasoning_content")}]:
+    for m in [*row_messages(row), final_message(row)]:
         message = {"role": m["role"], "content": m["content"]}
-        if m["role"] == "assistant" and m.get("reasoning_content") is not None:
-            message["reasoning_content"] = m["reasoning_content"]
+        message |= {k: m[k] for k in _KEYS.get(m["role"], ()) if m.get(k) is not None}
         conversations.append(message)
-    return {"id": str(row["id"]), "conversations": conversations, "status": "success"}
+    record = {"id": str(row["id"]), "conversations": conversations, "status": "success"}
+    tools = row_tools(row)
+    return record | {"tools": tools} if tools else record
+
+
+def training_conversation(row: dict, template) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools) of a row as the training's parser (``template``) prepares them."""
+    from regen.chat.render import training_messages
+
+    final = final_message(row)
+    return (training_messages(row_messages(row), final["reasoning_content"], final["content"], template,
+                              final.get("tool_calls")), row_tools(row))
 
 
 def why_left_out(row: dict, expect_reasoning: bool) -> str | None:
@@ -41,17 +62,18 @@ def why_left_out(row: dict, expect_reasoning: bool) -> str | None:
     if row.get("error") is not None:
         return "failed"
     conversation = conversation_record(row)["conversations"]
-    expected, seen_user = "user", False
+    expected, seen_user = {"user"}, False
     for message in conversation:
         role, content = message["role"], message.get("content")
-        if not isinstance(content, str) or not content.strip():
+        if not isinstance(content, str) or not (content.strip() or message.get("tool_calls") or role == "tool"):
             return "empty answer" if role == "assistant" else f"empty {role} message"
         if role == "system" and not seen_user:
             continue
-        if role != expected:
+        if role not in expected:
             return "role order"
         seen_user = True
-        expected = "assistant" if role == "user" else "user"
+        expected = {"user": {"assistant"}, "tool": {"tool", "assistant", "user"},
+                    "assistant": {"tool"} if message.get("tool_calls") else {"user"}}.get(role, set())
         if role != "assistant":
             continue
         reasoning = message.get("reasoning_content")
@@ -66,6 +88,7 @@ def event_records(record: dict, source_row_index: int) -> list[dict]:
     """The generation events of one conversation record, as SpecForge's expander writes them."""
     history: list[dict[str, Any]] = []
     events = []
+    tools = {"tools": record["tools"]} if record.get("tools") else {}
     for message in record["conversations"]:
         if message["role"] != "assistant":
             history.append(dict(message))
@@ -74,7 +97,7 @@ def event_records(record: dict, source_row_index: int) -> list[dict]:
         events.append({"id": f"{record['id']}#turn{turn}", "source_id": record["id"],
                        "source_row_index": source_row_index, "assistant_turn_index": turn,
                        "conversations": [dict(m) for m in history] + [dict(message)],
-                       "status": record["status"]})
+                       "status": record["status"], **tools})
         history.append({k: v for k, v in message.items() if k != "reasoning_content"})
     return events
 
@@ -94,13 +117,14 @@ def event_rows(row: dict) -> list[dict]:
             continue
         k = len(events)
         outcome = outcomes[k] if k < len(outcomes) - 1 else {}
+        calls = message.get("tool_calls")
         events.append({**row, **blank, "id": f"{row['id']}#turn{k}", "source_id": row["id"],
                        "messages": list(history), "reasoning_content": message.get("reasoning_content"),
-                       "content": message.get("content"),
+                       "content": message.get("content"), "tool_calls": json.dumps(calls) if calls else None,
                        "finish_reason": outcome.get("finish_reason", "stop"),
                        "completion_tokens": outcome.get("completion_tokens"),
                        "completion_token_ids": outcome.get("completion_token_ids")})
-        history.append({"role": "assistant", "content": message.get("content")})
+        history.append({"role": "assistant", "content": message.get("content")} | ({"tool_calls": calls} if calls else {}))
     events.append({**row, "turns": None, "id": f"{row['id']}#turn{len(events)}", "source_id": row["id"],
                    "messages": history})
     return events

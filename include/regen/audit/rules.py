@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from regen.audit.findings import AuditThresholds
 from regen.chat.loss import assistant_spans, loss_token_counts
-from regen.chat.render import generation_prefill, render, training_messages
+from regen.chat.render import generation_prefill, render
 from regen.chat.templates import TRAIN_TEMPLATES
 from regen.rows import asked_thinking, row_messages
+from regen.training import training_conversation
 from regen.turns import EARLIER_TURN_CUT
 
 
@@ -19,7 +20,7 @@ def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds,
     fmt = template.fmt
     results: list[dict] = [None] * len(rows)  # type: ignore[list-item]
     to_render: list[int] = []
-    conversations = []
+    conversations, tools = [], []
     for i, row in enumerate(rows):
         findings: list[str] = []
         results[i] = {"id": row["id"], "loss_tokens": 0, "loss_tokens_uncut": 0, "tokens": 0,
@@ -30,9 +31,10 @@ def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds,
                 findings.append("earlier_turn_cut")
             continue
         to_render.append(i)
-        conversations.append(training_messages(row_messages(row), row.get("reasoning_content"),
-                                               row.get("content"), template))
-    texts = render(tokenizer, conversations, template.render_thinking)
+        messages, row_tools = training_conversation(row, template)
+        conversations.append(messages)
+        tools.append(row_tools)
+    texts = render(tokenizer, conversations, template.render_thinking, tools)
     counts = loss_token_counts(tokenizer, texts, fmt, thresholds.train_max_length, template.ignore,
                                last_turn_only=thresholds.train_layout == "events")
     differs = retokenized_differs(tokenizer, texts, [rows[i] for i in to_render], fmt, default_thinking)
@@ -50,7 +52,7 @@ def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds,
             if (fmt.think_start in content and fmt.think_end not in content) or (
                     (reasonings[0] or "").strip() and not content.strip()):
                 findings.append("truncated_in_thinking")
-        if not content.strip():
+        if not content.strip() and not row.get("tool_calls"):
             findings.append("empty_answer")
         if fmt.think_start in content or fmt.think_end in content:
             findings.append("think_markers_in_content")

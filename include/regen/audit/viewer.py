@@ -18,9 +18,9 @@ import pyarrow.parquet as pq
 
 from regen.audit.findings import AuditThresholds
 from regen.chat.loss import assistant_spans
-from regen.chat.render import render, training_messages
+from regen.chat.render import render
 from regen.chat.templates import TRAIN_TEMPLATES
-from regen.rows import row_messages
+from regen.training import training_conversation
 
 RANDOM_SAMPLES = 5
 PER_FINDING = 3
@@ -62,8 +62,8 @@ def build(rows: list[dict], results: dict[str, dict], why: dict[str, str], token
                 "loss_tokens": result["loss_tokens"], "loss_tokens_uncut": result["loss_tokens_uncut"],
                 "tokens": result["tokens"], "error": row.get("error"), "segments": []}
         if row.get("error") is None:
-            conversation = training_messages(row_messages(row), row.get("reasoning_content"), row.get("content"), template)
-            text = render(tokenizer, [conversation], template.render_thinking)[0]
+            conversation, tools = training_conversation(row, template)
+            text = render(tokenizer, [conversation], template.render_thinking, [tools])[0]
             cut = len(text)
             if max_length:
                 encoding = tokenizer._tokenizer.encode(text, add_special_tokens=False)

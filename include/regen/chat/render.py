@@ -27,14 +27,37 @@ def load_tokenizer(model_dir: str):
     return tokenizer
 
 
+def parser_calls(calls: list[dict]) -> list[dict]:
+    """Tool calls as SpecForge's parser hands them to the template: id, type and function only,
+    the arguments parsed into an object (an unparsable string becomes ``{}``, as there)."""
+    import json
+
+    out = []
+    for call in calls:
+        function = call.get("function") or {}
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = {}
+        out.append({"id": call.get("id", ""), "type": call.get("type", "function"),
+                    "function": {"name": function.get("name", ""), "arguments": arguments}})
+    return out
+
+
 def training_messages(messages: Sequence[dict[str, Any]], reasoning: str | None, content: str | None,
-                      template: TrainTemplate = DEFAULT_TRAIN_TEMPLATE) -> list[dict[str, Any]]:
+                      template: TrainTemplate = DEFAULT_TRAIN_TEMPLATE,
+                      tool_calls: list[dict] | None = None) -> list[dict[str, Any]]:
     """The conversation as training prepares it: the messages (earlier assistant turns with their
-    own reasoning) and the final assistant turn; the template's system prompt when there is none;
-    cut where the roles stop alternating; each message with only the keys its parser keeps."""
+    own reasoning and tool calls) and the final assistant turn; the template's system prompt when
+    there is none; cut where the roles stop alternating; each message with only the keys its
+    parser keeps, its tool calls as the parser sanitizes them."""
     final: dict[str, Any] = {"role": "assistant", "content": content or ""}
     if reasoning is not None:
         final["reasoning_content"] = reasoning
+    if tool_calls:
+        final["tool_calls"] = tool_calls
     turns = [*messages, final]
     out: list[dict[str, Any]] = []
     if turns[0]["role"] == "system":
@@ -49,9 +72,11 @@ def training_messages(messages: Sequence[dict[str, Any]], reasoning: str | None,
         role = message["role"]
         if (j == 0 and role != "user") or (j and role in follows and turns[j - 1]["role"] not in follows[role]):
             break
-        out.append({k: v for k, v in message.items()
-                    if k in template.message_keys and not (k == "reasoning_content" and v is None)}
-                   | {"content": message.get("content") or ""})
+        kept = {k: v for k, v in message.items()
+                if k in template.message_keys and not (k in ("reasoning_content", "tool_calls") and v is None)}
+        if kept.get("tool_calls"):
+            kept["tool_calls"] = parser_calls(kept["tool_calls"])
+        out.append(kept | {"content": message.get("content") or ""})
     return out
 
 
@@ -124,14 +149,27 @@ def train_layout(tokenizer, template: TrainTemplate) -> str:
     return "conversation" if marker in text else "events"
 
 
-def render(tokenizer, conversations: Sequence[list[dict[str, Any]]], enable_thinking: bool | None) -> list[str]:
-    """``enable_thinking`` None: the template's own default (SpecForge's general parser)."""
+def render(tokenizer, conversations: Sequence[list[dict[str, Any]]], enable_thinking: bool | None,
+           tools: Sequence[list[dict] | None] | None = None) -> list[str]:
+    """``enable_thinking`` None: the template's own default (SpecForge's general parser).
+    ``tools``: each conversation's (an agentic row's are rendered with them, one at a time; the
+    others in one batch)."""
     if not conversations:
         return []
     kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    rendered = tokenizer.apply_chat_template(
-        list(conversations), tokenize=False, add_generation_prompt=False, **kwargs)
-    return rendered if isinstance(rendered, list) else [rendered]
+    tools = list(tools or [None] * len(conversations))
+    plain = [i for i, t in enumerate(tools) if not t]
+    out: list[str] = [""] * len(conversations)
+    if plain:
+        rendered = tokenizer.apply_chat_template(
+            [conversations[i] for i in plain], tokenize=False, add_generation_prompt=False, **kwargs)
+        for i, text in zip(plain, rendered if isinstance(rendered, list) else [rendered]):
+            out[i] = text
+    for i, tool_list in enumerate(tools):
+        if tool_list:
+            out[i] = tokenizer.apply_chat_template(conversations[i], tools=tool_list, tokenize=False,
+                                                   add_generation_prompt=False, **kwargs)
+    return out
 
 
 def render_generation_prompt(tokenizer, messages: list[dict[str, Any]], enable_thinking: bool) -> str:
