@@ -159,3 +159,39 @@ def test_a_kill_mid_way_through_five_step_conversations_resumes_step_by_step(sim
                                       "step calls ['get_date']")
     assert pd.isna(diverged["error"]) and json.loads(diverged["tool_calls"])[0]["function"]["name"] == "get_time"
     assert len(diverged["turns"]) == 2 and diverged["spliced_results"] == 1
+
+
+def test_the_audit_counts_agentic_rows_and_the_viewer_shows_their_calls(sim_servers, tmp_path, tiny_model):
+    """Agentic rows generated against the simulator (the tiny model's tokens, its template with
+    tools): in both layouts the audit counts rows, steps, spliced results, changed arguments and
+    divergences by kind, finds the generated tokens where the template renders them, and the
+    samples viewer shows the calls and the results."""
+    import pyarrow.parquet as pq
+
+    from regen.audit.dataset import audit_dataset
+    from regen.audit.findings import AuditThresholds
+    from regen.generate import ShardRun
+
+    five = [["get_weather"], ["get_time"], ["get_date"], ["get_weather"]]
+    rows = [{"id": f"a{i}", "tools": TOOLS, "messages": agentic_messages(f"Agent {i}", five)} for i in range(6)]
+    rows += [{"id": "parallel", "tools": TOOLS, "messages": agentic_messages(
+                 "Parallel", [["get_weather", "get_time"], ["get_date"]])},
+             {"id": "diverges", "tools": TOOLS, "messages": agentic_messages(
+                 "Diverges", [["get_weather"], ["get_time"]], recorded=[["get_weather"], ["get_date"]])},
+             {"id": "chat", "prompt": "Why is the sky blue?"}]
+    cfg, records = sim_servers(prompts=str(write_jsonl(tmp_path / "p.jsonl", rows)), num_shards=1,
+                               tool_call_parser="qwen25")
+    ShardRun(cfg, [(r.url, r.api_key) for r in records], 0, "m").run()
+    for layout, samples in (("conversation", 9), ("events", 6 * 5 + 3 + 2 + 1)):
+        report = audit_dataset(cfg.output, tiny_model, tmp_path / layout, AuditThresholds(1, 1.0, train_layout=layout))
+        assert report.summary.samples == samples
+        assert report.to_json()["agentic"] == {"rows": 8, "steps": 6 * 5 + 3 + 2, "spliced_results": 6 * 4 + 3 + 1,
+                                               "argument_diffs": 6 * 4 + 3 + 1,
+                                               "divergences": {"another function": 1}}
+        assert any(line.startswith("agentic: 8 rows, 35 steps, 28 recorded results") for line in report.lines())
+        findings = {s["id"]: s["findings"] for s in pq.read_table(tmp_path / layout / "samples.parquet").to_pylist()}
+        assert not [i for i, f in findings.items() if "retokenized_differs" in f or "degenerate" in f], findings
+        views = json.loads((tmp_path / layout / "samples_view.json").read_text())
+        calls = [text for v in views for kind, text in v["segments"] if kind == "loss" and "<tool_call>" in text]
+        results = [text for v in views for kind, text in v["segments"] if kind == "prompt" and "<tool_response>" in text]
+        assert calls and results  # the calls trained on, the results in the prompt

@@ -89,6 +89,10 @@ class AuditSummary:
     reasoning_rows: int = 0
     example: dict[str, Any] | None = None
     left_out: dict[str, int] = field(default_factory=dict)  # conversations the export leaves out, by reason
+    # Agentic rows (tools, tool calls): how many, their steps, the recorded results spliced in, the
+    # calls whose arguments differ from the recorded ones, the conversations ended by a divergence.
+    agentic: dict[str, Any] = field(default_factory=lambda: {
+        "rows": 0, "steps": 0, "spliced_results": 0, "argument_diffs": 0, "divergences": {}})
 
     def fraction(self, finding: str) -> float:
         return self.counts[finding] / self.audited if self.audited else 0.0
@@ -106,9 +110,32 @@ def mark_duplicates(results: list[dict], seen_ids: set[str]) -> None:
         seen_ids.add(result["id"])
 
 
+# A divergence's kind, by the words regen.toolcalls.compare_calls says it with.
+DIVERGENCE_KINDS = (("answered without a call", "no call"), ("answers without a call", "a call where none was recorded"),
+                    ("where the recorded step calls", "another function"))
+
+
+def divergence_kind(divergence: str) -> str:
+    return next((kind for words, kind in DIVERGENCE_KINDS if words in divergence), "other")
+
+
+def _fold_agentic(agentic: dict[str, Any], row: dict) -> None:
+    """An agentic row, once (in the events layout, at its last step's sample)."""
+    if not row.get("tools") or not row.get("last_step", True):
+        return
+    agentic["rows"] += 1
+    agentic["steps"] += row.get("row_steps") or len(row.get("turns") or []) or 1
+    agentic["spliced_results"] += row.get("spliced_results") or 0
+    agentic["argument_diffs"] += row.get("argument_diffs") or 0
+    if row.get("divergence"):
+        kind = divergence_kind(row["divergence"])
+        agentic["divergences"][kind] = agentic["divergences"].get(kind, 0) + 1
+
+
 def fold(summary: AuditSummary, rows: list[dict], results: list[dict]) -> None:
     for row, result in zip(rows, results):
         summary.samples += 1
+        _fold_agentic(summary.agentic, row)
         for finding in result["findings"]:
             summary.counts[finding] += 1
         if row.get("left_out"):
@@ -166,6 +193,7 @@ class AuditReport:
             "completion_tokens": _stats(s.completion_tokens),
             "thinking_rows": s.thinking_rows,
             "reasoning_rows": s.reasoning_rows,
+            "agentic": s.agentic,
             "example_degenerate": s.example,
             "provenance": self.provenance,
             "summary": self.lines(),
@@ -193,8 +221,16 @@ class AuditReport:
             + (f"; NOT THIS RUN'S: {s.counts['stale_prompt']:,} stale prompts, "
                f"{s.counts['foreign_settings']:,} other settings"
                if any(s.counts[f] for f in PROVENANCE) else ""),
+            *([self.agentic_line()] if s.agentic["rows"] else []),
             f"report: {self.files.report_html}",
         ]
+
+    def agentic_line(self) -> str:
+        a = self.summary.agentic
+        ended = ", ".join(f"{kind} {n:,}" for kind, n in sorted(a["divergences"].items()))
+        return (f"agentic: {a['rows']:,} rows, {a['steps']:,} steps, {a['spliced_results']:,} recorded results "
+                f"spliced after the model's own calls, {a['argument_diffs']:,} calls with other arguments than "
+                f"recorded; {sum(a['divergences'].values()):,} ended at a divergence" + (f" ({ended})" if ended else ""))
 
 
 def _stats(values: list[int]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from regen.engines.simulator.batching import BatchScheduler, SimState
 from regen.engines.simulator.settings import FAULT_MARKER, SimSettings, argument_parser, from_args
-from regen.engines.simulator.text import SimTokens, compose, count_prompt_tokens, plan_calls
+from regen.engines.simulator.text import SimTokens, call_text, compose, count_prompt_tokens, plan_calls
 from regen.protocol import ChatReply, chat_response, error_body, server_info
 
 
@@ -155,9 +155,9 @@ class SimServer:
         if calls and s.tool_call_parser:  # as SGLang's parser: the calls apart, no text beside them
             reply.content, reply.tool_calls, reply.finish_reason = "", calls, "tool_calls"
         elif calls:  # no parser: the call's raw text is the answer, as SGLang sends it
-            reply.content = "".join(f"<tool_call>\n{json.dumps(c['function'])}\n</tool_call>" for c in calls)
+            reply.content = "\n".join(call_text(c) for c in calls)
         if self.tokens is not None and (body.get("return_prompt_token_ids") or body.get("return_token_ids")):
-            prompt_ids, output_ids = self.tokens.ids(messages, kwargs, reply, finished)
+            prompt_ids, output_ids = self.tokens.ids(messages, kwargs, reply, finished, body.get("tools"))
             reply.prompt_token_ids = prompt_ids if body.get("return_prompt_token_ids") else None
             reply.completion_token_ids = output_ids if body.get("return_token_ids") else None
         return JSONResponse(chat_response(s.served_name, reply))

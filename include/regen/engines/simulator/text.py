@@ -77,6 +77,12 @@ def plan_calls(messages: list[dict], tools: list[dict] | None, divergence: float
             for j, n in enumerate(group)] or None
 
 
+def call_text(call: dict) -> str:
+    """One call as a Qwen3 model writes it (and its chat template renders it)."""
+    function = call["function"]
+    return f'<tool_call>\n{{"name": "{function["name"]}", "arguments": {function["arguments"]}}}\n</tool_call>'
+
+
 def count_prompt_tokens(messages: list[dict]) -> int:
     return sum(len(str(m.get("content", "")).split()) + 4 for m in messages) + 2
 
@@ -114,12 +120,16 @@ class SimTokens:
                             env.from_string(template), eos or "<|im_end|>")
         return self._loaded
 
-    def ids(self, messages: list[dict], kwargs: dict, reply, finished: bool) -> tuple[list[int], list[int]]:
-        """(prompt ids, output ids) of a reply (regen.protocol.ChatReply)."""
+    def ids(self, messages: list[dict], kwargs: dict, reply, finished: bool,
+            tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+        """(prompt ids, output ids) of a reply (regen.protocol.ChatReply); its calls written as
+        a Qwen3 model writes them, which its tool-call parser reads back."""
         tokenizer, template, eos = self._load()
-        prompt = template.render(messages=messages, add_generation_prompt=True, **kwargs)
+        prompt = template.render(messages=messages, tools=tools, add_generation_prompt=True, **kwargs)
         reasoning, content = reply.reasoning_content, reply.content or ""
         output = (f"<think>\n{reasoning}\n</think>\n\n" if reasoning is not None else "") + content
+        for j, call in enumerate(reply.tool_calls or []):
+            output += ("\n" if j or content else "") + call_text(call)
         output += eos if finished else ""
         encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
         return encode(prompt), encode(output)
