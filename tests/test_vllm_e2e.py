@@ -114,3 +114,45 @@ def test_vllm_end_to_end_thinking_on_passes_and_off_fails(airflow_db, vllm_confi
     assert states["stop_servers"] == ["success"]
     assert asset_events(f"file://{off.output}/data") == []
     assert_no_server_left(off)
+
+
+@pytest.mark.slow
+def test_vllm_regenerates_agentic_rows_with_its_tool_call_parser(airflow_db, vllm_config, tmp_path, deployed_dag):
+    """Weather questions with a recorded call, its result and an answer, beside chat prompts,
+    through the whole DAG on one vLLM server launched with its hermes tool-call parser: the tiny
+    model (trained to call get_weather) makes its own calls, each recorded result is spliced after
+    the model's own call id, the answer after it is the model's; a step without the recorded call
+    ends its conversation as a counted divergence. About 2 minutes."""
+    from fixtures.train_tiny_qwen3 import CITIES, WEATHER_TOOLS
+    from support.airflow import _conf, _states, assert_no_server_left
+    from support.data import write_jsonl
+
+    rows = [{"id": f"w{i}", "tools": WEATHER_TOOLS, "messages": [
+        {"role": "user", "content": f"What is the weather in {city} today?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": f"rec-{i}", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": city})}}]},
+        {"role": "tool", "tool_call_id": f"rec-{i}", "content": f"recorded: {city} is sunny"},
+        {"role": "assistant", "content": "The dataset's own answer."}]} for i, city in enumerate(CITIES * 2)]
+    demo = [json.loads(line) for line in (ROOT / "demo" / "prompts.jsonl").read_text().splitlines()[:12]]
+    prompts = write_jsonl(tmp_path / "agentic.jsonl", rows + demo)
+    cfg = vllm_config(prompts=str(prompts), num_servers=1, num_shards=2, tool_call_parser="hermes")
+    run = deployed_dag(cfg).test(run_conf=_conf(cfg))
+    assert run.state == "success", _states(run)
+    df = pd.read_parquet(Path(cfg.output) / "data").set_index("id")
+    assert len(df) == len(rows) + len(demo) and df["error"].isna().all()
+    agentic = df[df["tools"].notna()]
+    assert len(agentic) == len(rows)
+    spliced = agentic[agentic["spliced_results"] == 1]
+    assert len(spliced) >= 0.8 * len(rows), agentic[["divergence", "content"]].to_dict()
+    for messages, content in zip(spliced["messages"], spliced["content"]):
+        user, call, result = messages
+        calls = json.loads(call["tool_calls"])
+        assert [c["function"]["name"] for c in calls] == ["get_weather"] and not calls[0]["id"].startswith("rec-")
+        assert result["tool_call_id"] == calls[0]["id"] and result["content"].startswith("recorded: ")
+        assert (call["reasoning_content"] or "").strip() and content.strip() != "The dataset's own answer."
+    assert (agentic["divergence"].notna() | (agentic["spliced_results"] == 1)).all()
+    summary = json.loads((Path(cfg.output) / "audit" / "summary.json").read_text())
+    assert summary["verdict"] == "PASS"
+    assert summary["agentic"]["rows"] == len(rows) and summary["agentic"]["spliced_results"] == len(spliced)
+    assert sum(summary["agentic"]["divergences"].values()) == len(agentic) - len(spliced)
+    assert_no_server_left(cfg)

@@ -200,7 +200,7 @@ class AuditReport:
         }
 
     def lines(self) -> list[str]:
-        """The five-line summary for a task log or a terminal."""
+        """The five-line summary (six with agentic rows) for a task log or a terminal."""
         s = self.summary
         loss, comp = _stats(s.loss_tokens), _stats(s.completion_tokens)
         top = sorted(((n, f) for f, n in s.counts.items() if n and f != "degenerate"), reverse=True)
