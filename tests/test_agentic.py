@@ -134,6 +134,7 @@ def test_a_kill_mid_way_through_five_step_conversations_resumes_step_by_step(sim
     expected = Counter({(marker, k): 1 for i, (marker, count) in steps.items() if i not in finished
                         for k in range(done[i], count)})
 
+    assert not [k for k in logged_steps(log) if k[0] == "Refused"]  # preflight's refusal: never sent
     log.unlink()
     rerun = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]

@@ -161,3 +161,25 @@ def test_the_readmes_form_serves_generate_without_a_model_directory(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_tool_calls_as_sglang_returns_them_by_the_prompts_plan_with_a_knob_to_diverge(sim):
+    """With its tool-call parser: the calls the prompt asks for, at once, as SGLang's `tool_calls`
+    (finish_reason tool_calls, empty content), the same ones again for the same prompt; without
+    the parser, their raw text as the answer; with `--sim-tool-divergence 1`, another tool."""
+    from support.data import TOOLS
+
+    asks = [{"role": "user", "content": "Both, please. [tools: get_weather+get_time; get_date]"}]
+    parsed = sim("--tool-call-parser", "qwen25")
+    choice = chat(parsed, messages=asks, tools=TOOLS).json()["choices"][0]
+    calls = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == ""
+    assert [(c["index"], c["type"], c["function"]["name"]) for c in calls] == [
+        (0, "function", "get_weather"), (1, "function", "get_time")]
+    assert all(c["id"].startswith("call_") and len(c["id"]) == 29 for c in calls)
+    assert chat(parsed, messages=asks, tools=TOOLS).json()["choices"][0]["message"]["tool_calls"] == calls
+    assert chat(parsed, messages=asks).json()["choices"][0]["finish_reason"] == "stop"  # no tools, no call
+    raw = chat(sim(), messages=asks, tools=TOOLS).json()["choices"][0]
+    assert raw["finish_reason"] == "stop" and raw["message"]["content"].startswith('<tool_call>\n{"name": "get_weather"')
+    diverging = chat(sim("--tool-call-parser", "qwen25", "--sim-tool-divergence", "1"), messages=asks, tools=TOOLS)
+    assert [c["function"]["name"] for c in diverging.json()["choices"][0]["message"]["tool_calls"]] == ["get_date"]
