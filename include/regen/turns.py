@@ -125,10 +125,11 @@ class Conversation:
                           "completion_tokens": a["completion_tokens"],
                           "completion_token_ids": a.get("completion_token_ids")} for a in done]}
         if self.tools or any(a.get("tool_calls") for a in done) or any(m["role"] == "tool" for m in messages):
+            own = self.all_turns  # with regenerate_turns last, the history's calls and results are the dataset's
             out.update(tools=_json(self.tools), tool_calls=_json(row.get("tool_calls")), divergence=divergence,
-                       spliced_results=sum(m["role"] == "tool" for m in messages),
+                       spliced_results=sum(m["role"] == "tool" for m in messages) if own else 0,
                        argument_diffs=sum(compare_calls(a.get("tool_calls"), self.recorded_calls(k))[1]
-                                          for k, a in enumerate(done)))
+                                          for k, a in enumerate(done)) if own else 0)
         else:
             out.pop("tool_calls", None)
         return out
