@@ -7,7 +7,6 @@ SIGKILL where the issue says killed."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 from collections import Counter
 
@@ -16,8 +15,7 @@ import pytest
 
 from regen.prompts import Prompt, PromptError, read_prompts
 from regen.store import Journal
-from support.data import TOOLS, agentic_messages, cli, settle, write_jsonl
-from support.processes import wait_until
+from support.data import TOOLS, agentic_messages, cli, journaled, kill_when, write_jsonl
 
 OPENAI = {"id": "o", "tools": TOOLS, "messages": [
     {"role": "user", "content": "Weather in Paris?"},
@@ -75,6 +73,19 @@ def test_preflight_counts_agentic_rows_and_asks_for_the_tool_call_parser(make_co
     assert result.info["agentic_prompts"] == 1 and "2 prompts, 1 of them agentic" in result.summary
 
 
+FIVE = [["get_weather"], ["get_time"], ["get_date"], ["get_weather"]]  # four tool steps, then the answer
+PARALLEL = [["get_weather", "get_time"], ["get_date"]]
+
+
+def agentic_rows(five_step: int) -> list[dict]:
+    """``five_step`` conversations of FIVE (ids a0, ...), one of PARALLEL, and one whose
+    dataset recorded get_date where the prompt asks for get_time (its step 1 diverges)."""
+    return [{"id": f"a{i}", "tools": TOOLS, "messages": agentic_messages(f"Agent {i}", FIVE)} for i in range(five_step)] + [
+        {"id": "parallel", "tools": TOOLS, "messages": agentic_messages("Parallel", PARALLEL)},
+        {"id": "diverges", "tools": TOOLS, "messages": agentic_messages(
+            "Diverges", [["get_weather"], ["get_time"]], recorded=[["get_weather"], ["get_date"]])}]
+
+
 def logged_steps(log) -> list[tuple[str, int]]:
     """(conversation, step) of every request a server received: its marker and how many
     assistant messages it already holds."""
@@ -91,13 +102,7 @@ def test_a_kill_mid_way_through_five_step_conversations_resumes_step_by_step(sim
     one whose model calls another tool than the dataset recorded, one preflight refuses;
     SIGKILL while they are under way; the rerun requests only the steps without a journaled
     answer, and the rows hold every recorded result after the model's own call, by call id."""
-    five = [["get_weather"], ["get_time"], ["get_date"], ["get_weather"]]
-    rows = [{"id": f"a{i}", "tools": TOOLS, "messages": agentic_messages(f"Agent {i}", five)} for i in range(24)]
-    rows += [{"id": "parallel", "tools": TOOLS, "messages": agentic_messages(
-                 "Parallel", [["get_weather", "get_time"], ["get_date"]])},
-             {"id": "diverges", "tools": TOOLS, "messages": agentic_messages(
-                 "Diverges", [["get_weather"], ["get_time"]], recorded=[["get_weather"], ["get_date"]])},
-             {"id": "refused", "messages": [{"role": "user", "content": "Refused: hi"},
+    rows = agentic_rows(24) + [{"id": "refused", "messages": [{"role": "user", "content": "Refused: hi"},
                                             {"role": "tool", "content": "a result nobody asked for"}]}]
     prompts = write_jsonl(tmp_path / "p.jsonl", rows)
     log = tmp_path / "requests.jsonl"
@@ -115,19 +120,10 @@ def test_a_kill_mid_way_through_five_step_conversations_resumes_step_by_step(sim
 
     def under_way() -> bool:
         partial = list(Journal.rows(journal, partial=True))
-        return (any(r.get("turn", 0) >= 2 for r in partial) and len(list(Journal.rows(journal))) >= 2) \
-            or proc.poll() is not None
+        return any(r.get("turn", 0) >= 2 for r in partial) and len(list(Journal.rows(journal))) >= 2
 
-    try:
-        wait_until(under_way, 120, "conversations under way")
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    settle(records)
-    finished = {r["id"] for r in Journal.rows(journal)}
-    done = Counter()
-    for row in Journal.rows(journal, partial=True):
-        done[row["id"]] = max(done[row["id"]], row["turn"] + 1)
+    kill_when(proc, under_way, records)
+    finished, done = journaled(journal)
     assert finished and any(0 < done[i] < 5 for i in done if i not in finished), (finished, done)
     steps = {f"a{i}": ("Agent " + str(i), 5) for i in range(24)} | {"parallel": ("Parallel", 3),
                                                                      "diverges": ("Diverges", 2)}
@@ -150,8 +146,7 @@ def test_a_kill_mid_way_through_five_step_conversations_resumes_step_by_step(sim
         for m in results:  # each recorded result answers the model's own call of that function
             recorded_id = m["content"].removeprefix("result of ")
             position = int(recorded_id.rsplit("-", 2)[1]), int(recorded_id.rsplit("-", 1)[1])
-            assert calls[m["tool_call_id"]] == (five if i != "parallel" else [["get_weather", "get_time"], ["get_date"]]
-                                               )[position[0]][position[1]]
+            assert calls[m["tool_call_id"]] == (FIVE if i != "parallel" else PARALLEL)[position[0]][position[1]]
         assert pd.isna(df.loc[i, "divergence"]) and df.loc[i, "spliced_results"] == len(results)
         assert df.loc[i, "argument_diffs"] == len(calls)  # the model's arguments kept, not the recorded ones
         assert df.loc[i, "finish_reason"] == "stop" and json.loads(df.loc[i, "tools"]) == TOOLS
@@ -173,13 +168,7 @@ def test_the_audit_counts_agentic_rows_and_the_viewer_shows_their_calls(sim_serv
     from regen.audit.findings import AuditThresholds
     from regen.generate import ShardRun
 
-    five = [["get_weather"], ["get_time"], ["get_date"], ["get_weather"]]
-    rows = [{"id": f"a{i}", "tools": TOOLS, "messages": agentic_messages(f"Agent {i}", five)} for i in range(6)]
-    rows += [{"id": "parallel", "tools": TOOLS, "messages": agentic_messages(
-                 "Parallel", [["get_weather", "get_time"], ["get_date"]])},
-             {"id": "diverges", "tools": TOOLS, "messages": agentic_messages(
-                 "Diverges", [["get_weather"], ["get_time"]], recorded=[["get_weather"], ["get_date"]])},
-             {"id": "chat", "prompt": "Why is the sky blue?"}]
+    rows = agentic_rows(6) + [{"id": "chat", "prompt": "Why is the sky blue?"}]
     cfg, records = sim_servers(prompts=str(write_jsonl(tmp_path / "p.jsonl", rows)), num_shards=1,
                                tool_call_parser="qwen25")
     ShardRun(cfg, [(r.url, r.api_key) for r in records], 0, "m").run()

@@ -6,7 +6,6 @@ Real simulated servers that log every request they receive; SIGKILL where the is
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -20,9 +19,8 @@ from regen.export import export_sharegpt
 from regen.generate import ShardRun
 from regen.layout import RunLayout
 from regen.store import Journal
-from support.data import FAST, ORIGINAL, cli, settle, write_conversations
+from support.data import FAST, ORIGINAL, cli, journaled, kill_when, write_conversations
 from support.paths import ROOT
-from support.processes import wait_until
 
 
 def logged_requests(log: Path) -> list[list[dict]]:
@@ -95,18 +93,10 @@ def test_a_kill_mid_conversation_resumes_from_the_last_finished_turn(sim_servers
 
     def under_way() -> bool:
         partial = list(Journal.rows(journal, partial=True))
-        return (len({r["id"] for r in partial}) >= 15 and len(list(Journal.rows(journal))) >= 3) or proc.poll() is not None
+        return len({r["id"] for r in partial}) >= 15 and len(list(Journal.rows(journal))) >= 3
 
-    try:
-        wait_until(under_way, 120, "conversations under way")
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    settle(records)
-    finished = {r["id"] for r in Journal.rows(journal)}
-    turns_done = Counter()
-    for row in Journal.rows(journal, partial=True):
-        turns_done[row["id"]] = max(turns_done[row["id"]], row["turn"] + 1)
+    kill_when(proc, under_way, records)
+    finished, turns_done = journaled(journal)
     assert finished and any(0 < turns_done[i] < 3 for i in turns_done if i not in finished)
     expected = Counter()
     for i in range(60):

@@ -31,13 +31,17 @@ def normalize_tools(raw: Any) -> list[dict] | None:
     tools = _loaded(raw, "'tools'")
     if not isinstance(tools, list):
         raise ValueError(f"'tools' must be a list of tools (or a JSON string of one), got {type(tools).__name__}")
-    out = []
-    for i, tool in enumerate(tools):
-        function = tool.get("function", tool) if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            raise ValueError(f"'tools[{i}]' is not a function tool with a name")
-        out.append({"type": "function", "function": dict(function)})
-    return out or None
+    return [{"type": "function", "function": dict(_named(tool, f"'tools[{i}]' is not a function tool with a name"))}
+            for i, tool in enumerate(tools)] or None
+
+
+def _named(item: Any, problem: str) -> dict:
+    """The function of a tool or a call (``{"function": {...}}`` or the function itself), which
+    must have a name; ValueError(``problem``) otherwise."""
+    function = item.get("function", item) if isinstance(item, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise ValueError(problem)
+    return function
 
 
 def _arguments(raw: Any) -> str:
@@ -56,9 +60,7 @@ def normalize_calls(raw: Any, where: str, message_index: int) -> list[dict]:
         raise ValueError(f"{where}: the tool calls must be a non-empty list")
     out = []
     for j, call in enumerate(calls):
-        function = call.get("function", call) if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            raise ValueError(f"{where}: call {j} has no function name")
+        function = _named(call, f"{where}: call {j} has no function name")
         call_id = call.get("id") if isinstance(call.get("id"), str) and call.get("id") else f"call_{message_index}_{j}"
         out.append({"id": call_id, "type": "function",
                     "function": {"name": function["name"], "arguments": _arguments(function.get("arguments"))}})

@@ -119,3 +119,28 @@ def write_jsonl(path: Path, records: list) -> Path:
     """One record a line: an object as JSON, a string as it is (a broken line, on purpose)."""
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
     return path
+
+
+def kill_when(proc, ready, records) -> None:
+    """SIGKILL ``proc`` once ``ready()`` holds (or it ended by itself), then let the servers
+    finish what was in flight before anything is counted."""
+    import signal
+
+    try:
+        wait_until(lambda: ready() or proc.poll() is not None, 120, "conversations under way")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    settle(records)
+
+
+def journaled(journal: Path):
+    """(the conversations a journal holds finished, a Counter of the steps each has done)."""
+    from collections import Counter
+
+    from regen.store import Journal
+
+    done: Counter = Counter()
+    for row in Journal.rows(journal, partial=True):
+        done[row["id"]] = max(done[row["id"]], row["turn"] + 1)
+    return {r["id"] for r in Journal.rows(journal)}, done
