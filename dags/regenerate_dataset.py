@@ -109,7 +109,7 @@ def canary() -> dict:
     return _run("canary").model_dump(mode="json")
 
 
-@task.branch(retries=0)
+@task.branch(retries=0, execution_timeout=timedelta(minutes=5))  # it reads a Param
 def approval_gate(params=None) -> str:
     """Straight to the shards, or through a person's approval when the run asks for one."""
     return "approve" if params["approve_after_canary"] else "generate"
@@ -194,8 +194,8 @@ def regeneration_dag(run: RunDefinition):
                 spec.name).as_teardown(setups=servers)
         gate = approval_gate()
         approve = ApprovalOperator(task_id="approve", subject="regen: start generating {{ dag_run.dag_id }}?",
-                                   body=APPROVAL_BODY, retries=0,  # unanswered as long as the servers wait
-                                   execution_timeout=timedelta(seconds=APPROVAL_HOLD_S))
+                                   body=APPROVAL_BODY, retries=0, execution_timeout=timedelta(minutes=5),
+                                   response_timeout=timedelta(seconds=APPROVAL_HOLD_S))  # as long as the servers wait
         checked >> gate >> [approve, generated]
         approve >> generated >> audit.override(outlets=outlets)()
 
