@@ -69,10 +69,10 @@ def _deadline(name: str) -> dict:
     from regen.stages import stage
 
     def from_the_run(context) -> None:
-        from regen.generate import shard_deadline_s
-
         kwargs = {}
-        if name == "generate":
+        if name == "generate":  # imported here only: preflight must be the first to meet a broken module
+            from regen.generate import shard_deadline_s
+
             kwargs["deadline_s"] = shard_deadline_s((context["ti"].xcom_pull(task_ids="canary") or {}).get("estimate"))
         seconds = stage(name).deadline(float(context["params"]["startup_timeout_s"]), kwargs) + DEADLINE_GRACE_S
         context["task"].execution_timeout = timedelta(seconds=seconds)
