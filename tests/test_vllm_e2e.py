@@ -155,4 +155,9 @@ def test_vllm_regenerates_agentic_rows_with_its_tool_call_parser(airflow_db, vll
     assert summary["verdict"] == "PASS"
     assert summary["agentic"]["rows"] == len(rows) and summary["agentic"]["spliced_results"] == len(spliced)
     assert sum(summary["agentic"]["divergences"].values()) == len(agentic) - len(spliced)
+    (ROOT / "test-artifacts").mkdir(exist_ok=True)
+    (ROOT / "test-artifacts" / "vllm-agentic.json").write_text(json.dumps({
+        "agentic_rows": len(agentic), "spliced": len(spliced), "audit_agentic": summary["agentic"],
+        "example": {"messages": [dict(m) for m in spliced["messages"].iloc[0]], "content": spliced["content"].iloc[0]},
+    }, indent=1, default=str))
     assert_no_server_left(cfg)

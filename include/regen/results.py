@@ -121,6 +121,7 @@ class AuditResult(StageResult):
     completion_tokens: dict[str, Any]
     thinking_rows: int
     reasoning_rows: int
+    agentic: dict[str, Any]  # agentic rows: steps, spliced results, changed arguments, divergences by kind
     example_degenerate: dict[str, Any] | None
     provenance: dict[str, Any]
     summary: list[str]
