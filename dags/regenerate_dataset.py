@@ -65,6 +65,7 @@ def _deadline(name: str) -> dict:
     """A task's execution_timeout: its stage's deadline (regen.stages) with the schema's startup
     timeout, set again just before it runs from the run's own values (and, for a shard, from the
     canary's estimate), plus the grace a remote stage gets to stop by itself on its node."""
+    from regen.config.options import ServerOptions
     from regen.remote import DEADLINE_GRACE_S
     from regen.stages import stage
 
@@ -77,7 +78,8 @@ def _deadline(name: str) -> dict:
         seconds = stage(name).deadline(float(context["params"]["startup_timeout_s"]), kwargs) + DEADLINE_GRACE_S
         context["task"].execution_timeout = timedelta(seconds=seconds)
 
-    return {"execution_timeout": timedelta(seconds=stage(name).deadline(1800.0) + DEADLINE_GRACE_S),
+    startup = ServerOptions.model_fields["startup_timeout_s"].default
+    return {"execution_timeout": timedelta(seconds=stage(name).deadline(startup) + DEADLINE_GRACE_S),
             "pre_execute": from_the_run}
 
 
@@ -175,7 +177,7 @@ def regeneration_dag(run: RunDefinition):
         start_date=datetime(2026, 1, 1),
         catchup=False,
         max_active_runs=1,
-        params={name: Param(default, **schema) for name, (default, schema) in param_schemas(run.config, str(run.source or '')).items()},
+        params={name: Param(default, **schema) for name, (default, schema) in param_schemas(run.config, run.where).items()},
         doc_md=__doc__ + (f"\n\nDefaults and schedule from `{run.source}`." if run.source else ""),
         tags=["regen", "llm-data"],
         user_defined_filters={"markdown_literal": markdown_literal},

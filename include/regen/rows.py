@@ -6,6 +6,7 @@ The Parquet schema and the audit's columns derive from :class:`Row`'s fields.
 
 from __future__ import annotations
 
+import json
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -86,8 +87,6 @@ REQUIRED_COLUMNS = ("id", "messages", "content")  # a user's own Parquet may hol
 
 def row_messages(row: dict) -> list[dict]:
     """The row's messages as plain dicts, without the keys Parquet filled with null."""
-    import json
-
     messages = row["messages"]
     if hasattr(messages, "tolist"):
         messages = messages.tolist()
@@ -100,15 +99,11 @@ def row_messages(row: dict) -> list[dict]:
 
 def row_tools(row: dict) -> list[dict] | None:
     """An agentic row's tools (None for a chat row)."""
-    import json
-
     return json.loads(row["tools"]) if row.get("tools") else None
 
 
 def final_message(row: dict) -> dict:
     """The row's last step as an assistant message: its answer, reasoning and tool calls."""
-    import json
-
     message = {"role": "assistant", "content": row.get("content"), "reasoning_content": row.get("reasoning_content")}
     if row.get("tool_calls"):
         message["tool_calls"] = json.loads(row["tool_calls"])

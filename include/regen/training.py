@@ -123,9 +123,8 @@ def event_rows(row: dict) -> list[dict]:
                        "content": message.get("content"), "tool_calls": json.dumps(calls) if calls else None,
                        "finish_reason": outcome.get("finish_reason", "stop"),
                        "completion_tokens": outcome.get("completion_tokens"),
-                       "completion_token_ids": outcome.get("completion_token_ids")})
+                       "completion_token_ids": outcome.get("completion_token_ids"), "last_step": False})
         history.append({"role": "assistant", "content": message.get("content")} | ({"tool_calls": calls} if calls else {}))
-    events = [{**e, "last_step": False} for e in events]
     events.append({**row, "turns": None, "id": f"{row['id']}#turn{len(events)}", "source_id": row["id"],
                    "messages": history, "last_step": True, "row_steps": len(outcomes)})
     return events

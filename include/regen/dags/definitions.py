@@ -31,6 +31,11 @@ class RunDefinition:
     source: Path | None = None  # the config file, None for the built-in demo DAG
 
     @property
+    def where(self) -> str:
+        """Where this DAG's deployment fields are set, as messages and the trigger form name it."""
+        return str(self.source) if self.source else "regen's built-in defaults, no REGEN_CONFIG_DIR"
+
+    @property
     def dataset_name(self) -> str | None:
         """The Asset a finished run announces (configured DAGs); None: the shared alias only."""
         return self.dag_id if self.source else None
@@ -95,6 +100,5 @@ def triggered_config(dag_id: str, conf: dict | None) -> RunConfig:
     mine = {d.dag_id: d for d in definitions}.get(dag_id)
     if mine is None:
         raise NotRegenDag(f"{dag_id!r} is not a regen DAG of this deployment (REGEN_CONFIG_DIR={config_dir() or 'unset'})")
-    where = str(mine.source) if mine.source else "regen's built-in defaults, no REGEN_CONFIG_DIR"
     others = {d.dag_id: d.config.output for d in definitions if d.dag_id != dag_id}
-    return triggered_run_config(mine.config, where, conf, others)
+    return triggered_run_config(mine.config, mine.where, conf, others)

@@ -29,7 +29,7 @@ NOT_PARAMS = frozenset({"node", "api_key"})
 DEPLOYMENT_SECTION = "Deployment (read-only: a run that changes one of these is refused)"
 
 
-def param_schemas(defaults: RunConfig | None = None, where: str | None = None) -> dict[str, tuple[Any, dict[str, Any]]]:
+def param_schemas(defaults: RunConfig | None = None, where: str = "regen's built-in defaults") -> dict[str, tuple[Any, dict[str, Any]]]:
     """Per field: (default, JSON schema) for an Airflow Param, from the pydantic schema; the
     defaults are ``defaults``' values (a deployment's config file, named by ``where``) or the
     schema's own.
@@ -73,7 +73,7 @@ def param_schemas(defaults: RunConfig | None = None, where: str | None = None) -
             spec["enum"] = [prop["const"]]
         if name in DEPLOYMENT_FIELDS:
             spec["section"] = DEPLOYMENT_SECTION
-            spec["description"] = (f"Set by the deployment ({where or 'regen built-in defaults'}); a triggered run "
+            spec["description"] = (f"Set by the deployment ({where}); a triggered run "
                                    f"may not change it. " + spec.get("description", ""))
         out[name] = (defaults[name], spec)
     return out
