@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from regen.canary import CanaryFailed, probe
+from support.data import TOOLS, agentic_messages, write_jsonl
+from support.paths import ROOT
 
 
 def test_a_healthy_canary_passes_and_estimates_the_run(sim_servers):
@@ -65,3 +67,25 @@ def test_the_estimate_accounts_for_batching_and_holds_on_the_run(sim_servers, tm
     result = ShardRun(fresh, [(r.url, r.api_key) for r in records], 0, "m").run()
     assert result.failed == 0
     assert abs(estimate["eta_s"] - result.seconds) / result.seconds < 0.25, (estimate, result.seconds)
+
+
+@pytest.mark.parametrize("parser", ["qwen25", None, "qwen3_coder"])
+def test_a_tool_call_parser_that_does_not_read_the_models_calls_fails_the_canary(sim_servers, tmp_path, parser):
+    """The canary takes an agentic prompt (the file's last here). The parser for the simulator's
+    Qwen3 calls passes; none leaves the calls as text in the answer, and qwen3_coder (the parser of
+    another call format) drops them, as SGLang does: either way every agentic row would end at its
+    first step, and the canary says so, naming the field."""
+    single = (ROOT / "demo" / "prompts.jsonl").read_text().splitlines()[:20]
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [*single, {
+        "id": "agent", "tools": TOOLS, "messages": agentic_messages("Agent", [["get_weather"], ["get_time"]])}])
+    cfg, records = sim_servers(num_servers=1, prompts=str(prompts), tool_call_parser=parser)
+    if parser == "qwen25":
+        agent = probe(cfg).examples[0]  # examples are sorted by id
+        assert (agent["id"], agent["turns"]) == ("agent", 3)  # two calls spliced, then the answer
+        return
+    with pytest.raises(CanaryFailed) as err:
+        probe(cfg)
+    message = str(err.value)
+    assert "1 of 1 agentic conversations came back with no structured tool_calls where the model " \
+           "wrote a call" in message
+    assert f"tool_call_parser {parser!r}" in message and '"id": "agent"' in message

@@ -27,11 +27,15 @@ CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "co
                 {"role": "user", "content": "And sunsets?"}]
 
 
-def judged(python, doc: dict) -> list[str]:
+def judgement(python, doc: dict) -> dict:
     out = subprocess.run([str(python), str(CONTRACT)], input=json.dumps(doc), capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])["problems"]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def judged(python, doc: dict) -> list[str]:
+    return judgement(python, doc)["problems"]
 
 
 def metric_samples(text: str) -> list[str]:
@@ -146,3 +150,35 @@ def test_agentic_requests_and_tool_call_answers_are_sglangs_and_vllms(sim_server
     orphan = {**requests[1], "messages": [*requests[1]["messages"][:-1], {**spliced[-1], "tool_call_id": "other"}]}
     problems = judged(SGLANG_PYTHON, {"engine": "sglang", "requests": [orphan], "responses": []})
     assert any("tool-call pairing" in p and "'other'" in p for p in problems), problems
+
+
+def test_the_simulators_tool_call_parsers_answer_as_sglangs_own(sim_servers, tmp_path):
+    """Each tool-call parser the simulator takes makes of its calls what SGLang 0.5.23's parser of
+    that name makes of the same text: qwen25 and hermes take them apart, qwen3_coder (which reads
+    only <function=...>) drops them with their text, the reply a Qwen3 model gets from the wrong
+    parser; without a parser the calls' text is the answer."""
+    from regen.engines.simulator.settings import READS_JSON_CALLS
+    from regen.prompts import request_messages
+
+    def message(parser):
+        cfg, records = sim_servers(num_servers=1, tool_call_parser=parser, output=str(tmp_path / str(parser)))
+        generator = Generator(None, cfg, ClientTuning(), lambda row: None)
+        endpoint = Endpoint(url=records[0].url, api_key=records[0].api_key, engine=engine("sglang"), model="m")
+        body = generator.payload(endpoint, Request("a", request_messages(AGENTIC[:2]), {}, TOOLS))
+        reply = httpx.post(f"{records[0].url}/v1/chat/completions", content=msgspec.json.encode(body), timeout=60,
+                           headers={"Authorization": f"Bearer {records[0].api_key}",
+                                    "Content-Type": "application/json"}).json()
+        return reply["choices"][0]["message"]
+
+    text = message(None)["content"]
+    assert text.count("<tool_call>") == 2  # get_weather and get_time, as the model wrote them
+    parsed = judgement(SGLANG_PYTHON, {"engine": "sglang", "requests": [], "responses": [], "tool_parsing": {
+        "text": text, "tools": TOOLS, "parsers": sorted(READS_JSON_CALLS)}})["parsed"]
+    for parser in sorted(READS_JSON_CALLS):
+        answer = message(parser)
+        simulated = {"content": answer["content"] or "",
+                     "calls": [[c["function"]["name"], json.loads(c["function"]["arguments"])]
+                               for c in answer.get("tool_calls") or []]}
+        assert simulated == parsed[parser], parser
+        assert bool(simulated["calls"]) == READS_JSON_CALLS[parser]
+    assert parsed["qwen3_coder"] == {"content": "", "calls": []}

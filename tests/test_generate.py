@@ -108,8 +108,8 @@ def test_concurrency_comes_from_the_server_and_never_passes_what_it_can_run(sim_
                             concurrency_per_server=None, queue_margin=1)
     assert result.done == 80
     progress = json.loads((tmp_path / "ds" / "progress.json").read_text())
-    limits = [s["limit"] for s in progress["shards"]["shard-00000"]["servers"].values()]
-    assert limits == [4, 4]  # the effective value plus the margin, not the CLI's 8
+    slots = [s["slots"] for s in progress["shards"]["shard-00000"]["servers"].values()]
+    assert slots == [4, 4]  # the effective value plus the margin, not the CLI's 8
     for r in records:
         info = httpx.get(f"{r.url}/server_info").json()["internal_states"][0]
         assert info["sim_peak_requests_in_flight"] <= 3 + 1  # never more than it runs, plus the margin

@@ -86,7 +86,7 @@ def test_an_import_error_is_reported_from_a_fresh_interpreter(tmp_path):
 
 @pytest.mark.slow
 def test_the_dag_fails_at_preflight_before_staging_or_any_server(project_with_seed_bug, make_config,
-                                                                  tmp_path):
+                                                                  tmp_path, airflow_db):
     copy, generator, line = project_with_seed_bug
     cfg = make_config()
     (tmp_path / "regen-configs").mkdir()

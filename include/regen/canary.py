@@ -23,6 +23,7 @@ from regen.placement import servers_for
 from regen.progress import RunProgress
 from regen.prompts import Prompt, read_prompts
 from regen.results import CanaryReport
+from regen.toolcalls import written_call
 from regen.turns import steps
 from regen.units import format_duration
 
@@ -45,20 +46,25 @@ class CanaryResult:
 
 
 def first_prompts(path: str | Path, count: int) -> tuple[list[Prompt], int]:
-    """The first ``count`` readable prompts, one of them multi-turn when the file has any (the
-    path of earlier turns' answers is checked too), and how many prompts the file holds."""
+    """The first ``count`` readable prompts, among them a multi-turn one and an agentic one when
+    the file has any (the path of earlier steps' answers, and of the server's tool-call parser, is
+    checked too), and how many prompts the file holds."""
     chosen: list[Prompt] = []
-    multi_turn: Prompt | None = None
+    kinds: dict[str, Prompt] = {}
     total = 0
     for item in read_prompts(path):
         if isinstance(item, Prompt):
             total += 1
             if len(chosen) < count:
                 chosen.append(item)
-            if multi_turn is None and steps(item.messages) > 1:
-                multi_turn = item
-    if multi_turn is not None and multi_turn not in chosen:
-        chosen[-1] = multi_turn
+            if "multi_turn" not in kinds and steps(item.messages) > 1:
+                kinds["multi_turn"] = item
+            if "agentic" not in kinds and item.agentic:
+                kinds["agentic"] = item
+    wanted = [p for i, p in enumerate(kinds.values()) if p not in list(kinds.values())[:i]]
+    free = [i for i in reversed(range(len(chosen))) if chosen[i] not in wanted]
+    for i, prompt in zip(free, [p for p in wanted if p not in chosen]):
+        chosen[i] = prompt
     return chosen, total
 
 
@@ -155,6 +161,19 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
           f"{cfg.audit.min_loss_tokens}, or no reasoning while thinking is on): the audit's limit of "
           f"{cfg.audit.max_degenerate_fraction:.1%} would not hold", plausible=cfg.audit.max_degenerate_fraction)
     check("truncated", f"answers hit max_tokens {cfg.sampling.max_tokens}", limit=0.5)
+    agentic = [r for r in rows if r.get("tools")]
+    # A call no parser took apart stays in the answer's text (no parser), or is dropped with its
+    # text (SGLang, a parser of another format): an answer that stopped empty.
+    written = [r for r in agentic if not r.get("tool_calls") and (
+        written_call(r["content"], r["tools"]) or (r["finish_reason"] == "stop" and not (r["content"] or "").strip()))]
+    if written:  # every such row ends at its first call: the run would keep nothing after it
+        sample = {"id": written[0]["id"], "divergence": written[0].get("divergence"),
+                  "content": (written[0]["content"] or "")[:200]}
+        result.problems.append(
+            f"canary: {len(written)} of {len(agentic)} agentic conversations came back with no structured "
+            f"tool_calls where the model wrote a call (its text in the answer, or an empty answer): the "
+            f"servers' parser (tool_call_parser {cfg.engine_options.tool_call_parser!r}) does not read "
+            f"this model's calls; set it to the one for its call format; e.g. {json.dumps(sample)}")
     result.estimate = estimate_run(alone, together, total, len(endpoints), slots, cfg.generation.queue_margin)
     RunProgress(cfg.output).write_section("canary", {
         "passed": not result.problems, "problems": result.problems, "samples": n,

@@ -86,7 +86,7 @@ class Endpoint:
 
     def report(self) -> dict:
         return {"done": self.done, "failed": self.failed, "in_flight": self.in_flight,
-                "healthy": self.healthy, "limit": self.limit, "metrics": self.metrics}
+                "healthy": self.healthy, "slots": self.size, "limit": self.limit, "metrics": self.metrics}
 
 
 class ServerPool:

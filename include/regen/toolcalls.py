@@ -11,7 +11,14 @@ model regenerated can take the recorded results (same functions, in the same pos
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
+
+# How models write calls as text, for an engine's tool-call parser to take apart: Hermes and
+# Qwen's <tool_call>, Qwen3-Coder's (and Qwen3.5's) <function=...>, Mistral's [TOOL_CALLS],
+# Llama 3's python tag, DeepSeek's and Kimi's call sections.
+CALL_MARKUP = re.compile(r"<tool_call>|<function=|\[TOOL_CALLS\]|<\|python_tag\|>|<｜tool▁calls▁begin｜>"
+                         r"|<\|tool_calls_section_begin\|>")
 
 
 def _loaded(raw: Any, what: str) -> Any:
@@ -81,6 +88,18 @@ def answer_calls_in_order(messages: list[dict]) -> None:
                 pending.remove(message["tool_call_id"])
         else:
             pending = []
+
+
+def written_call(content: str | None, tools: Any) -> bool:
+    """Whether an answer's text holds a call no parser took apart: call markup, or a JSON object
+    naming one of the request's tools (what a reply holds when the server's tool-call parser is
+    missing or is not the one for the model's call format)."""
+    if not content:
+        return False
+    if CALL_MARKUP.search(content):
+        return True
+    return any(re.search(r'"name"\s*:\s*"' + re.escape(n) + '"', content)
+               for n in names(normalize_tools(tools)))
 
 
 def names(calls: list[dict] | None) -> list[str]:

@@ -8,14 +8,14 @@ import sys
 
 from regen.config import RunConfig
 from regen.engines.sglang import SGLang
-from regen.engines.simulator.settings import SimSettings, to_argv
+from regen.engines.simulator.settings import READS_JSON_CALLS, SimSettings, to_argv
 
 
 class Simulator(SGLang):
     name = "sim"
     version = ""
     reasoning_parsers = frozenset({"qwen3", "qwen3-thinking", "deepseek-r1"})
-    tool_call_parsers = frozenset({"qwen25", "qwen3_coder", "hermes"})
+    tool_call_parsers = frozenset(READS_JSON_CALLS)
     # Its knobs, but not those that name a file on the node.
     run_flags = SGLang.run_flags | SimSettings.run_flags()
 

@@ -67,14 +67,18 @@ class ServerRecord:
 
 
 def read_state(layout: RunLayout) -> list[ServerRecord]:
-    path = layout.servers_state
-    if not path.exists():
+    """The recorded servers; none once the last stop removed the record (even while we read)."""
+    try:
+        servers = json.loads(layout.servers_state.read_text())["servers"]
+    except FileNotFoundError:
         return []
     known = {f.name for f in fields(ServerRecord)}
-    keys_path = key_file(layout)
-    keys = json.loads(keys_path.read_text())["keys"] if keys_path.exists() else {}
+    try:
+        keys = json.loads(key_file(layout).read_text())["keys"]
+    except FileNotFoundError:
+        keys = {}
     return [ServerRecord(**{k: v for k, v in item.items() if k in known} | {"api_key": keys.get(str(item["index"]))})
-            for item in json.loads(path.read_text())["servers"]]
+            for item in servers]
 
 
 class KeyDirError(RegenError):

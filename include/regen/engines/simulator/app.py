@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from regen.engines.simulator.batching import BatchScheduler, SimState
-from regen.engines.simulator.settings import FAULT_MARKER, SimSettings, argument_parser, from_args
+from regen.engines.simulator.settings import FAULT_MARKER, READS_JSON_CALLS, SimSettings, argument_parser, from_args
 from regen.engines.simulator.text import SimTokens, call_text, compose, count_prompt_tokens, plan_calls
 from regen.protocol import ChatReply, chat_response, error_body, server_info
 
@@ -152,8 +152,10 @@ class SimServer:
                           prompt_tokens=prompt_tokens, completion_tokens=completion)
         calls = plan_calls(messages, body.get("tools") if body.get("tool_choice") != "none" else None,
                            s.tool_divergence, body.get("seed"), s.seed) if finished else None
-        if calls and s.tool_call_parser:  # as SGLang's parser: the calls apart, no text beside them
+        if calls and s.tool_call_parser and READS_JSON_CALLS[s.tool_call_parser]:  # the calls apart, no text
             reply.content, reply.tool_calls, reply.finish_reason = "", calls, "tool_calls"
+        elif calls and s.tool_call_parser:  # a parser for another call format drops them
+            reply.content = ""
         elif calls:  # no parser: the call's raw text is the answer, as SGLang sends it
             reply.content = "\n".join(call_text(c) for c in calls)
         if self.tokens is not None and (body.get("return_prompt_token_ids") or body.get("return_token_ids")):

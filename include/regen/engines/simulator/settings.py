@@ -10,9 +10,16 @@ from typing import Any
 
 FAULT_MARKER = "[sim-fault]"
 
+# What each tool-call parser the simulator takes makes of the calls it writes (Qwen3's JSON in
+# <tool_call>), as SGLang 0.5.23's detector of that name does (test_contracts runs them): True,
+# the calls apart and no text; False, the calls dropped with their text (qwen3_coder reads only
+# <function=...>: an answer of "" and no call, SGLang's "dropping the incomplete call").
+READS_JSON_CALLS = {"qwen25": True, "hermes": True, "qwen3_coder": False}
 
-def _flag(name: str, help: str = "", default: Any = None, names_a_file: bool = False) -> Any:
-    return field(default=default, metadata={"flag": name, "help": help, "file": names_a_file})
+
+def _flag(name: str, help: str = "", default: Any = None, names_a_file: bool = False,
+          choices: list[str] | None = None) -> Any:
+    return field(default=default, metadata={"flag": name, "help": help, "file": names_a_file, "choices": choices})
 
 
 @dataclass
@@ -27,7 +34,8 @@ class SimSettings:
     speculative_algorithm: str | None = _flag("--speculative-algorithm")
     reasoning_parser: str | None = _flag("--reasoning-parser")
     tool_call_parser: str | None = _flag("--tool-call-parser", "return the calls a reply makes as `tool_calls` "
-                                         "(without it, as SGLang: the call's raw text in `content`)")
+                                         "(without it, as SGLang: the call's raw text in `content`)",
+                                         choices=sorted(READS_JSON_CALLS))
     seed: int = _flag("--random-seed", default=0)
     dp_size: int = _flag("--dp-size", "data parallel ranks: each runs up to the per-rank limit, and "
                          "/server_info reports one internal state per rank, as SGLang", 1)
@@ -87,7 +95,7 @@ def argument_parser() -> argparse.ArgumentParser:
             continue
         base = kind.split("|")[0].strip() if isinstance(kind, str) else kind.__name__
         p.add_argument(f.metadata["flag"], type={"int": int, "float": float}.get(base, str),
-                       default=f.default, **options)
+                       default=f.default, choices=f.metadata["choices"], **options)
     return p
 
 
