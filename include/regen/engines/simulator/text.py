@@ -9,7 +9,6 @@ import json
 import random
 from pathlib import Path
 
-
 REASONING_WORDS = (
     "okay let me think about this carefully first the question asks for the answer so I "
     "should check each step then consider whether the result makes sense because a small "
