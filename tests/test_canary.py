@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from regen.canary import CanaryFailed, probe
+from regen.canary import CanaryFailed, calls_not_parsed, probe
 from support.data import TOOLS, agentic_messages, write_jsonl
 from support.paths import ROOT
 
@@ -89,3 +89,20 @@ def test_a_tool_call_parser_that_does_not_read_the_models_calls_fails_the_canary
     assert "1 of 1 agentic conversations came back with no structured tool_calls where the model " \
            "wrote a call" in message
     assert f"tool_call_parser {parser!r}" in message and '"id": "agent"' in message
+
+
+def test_an_empty_answer_is_a_dropped_call_only_where_the_dataset_calls():
+    """An answer that stopped empty at the step where the dataset called a tool is SGLang's dropped
+    call; an empty final answer after the spliced results (the tiny model on vLLM gave some) is the
+    model's own, and the audit's business, not the parser's."""
+    from regen.prompts import Prompt, request_messages
+
+    messages = request_messages(agentic_messages("Agent", [["get_weather"]]))
+    prompt = Prompt("a", messages, line=1, tools=TOOLS)
+    step = {"finish_reason": "stop", "prompt_tokens": 1, "completion_tokens": 1, "completion_token_ids": None}
+    row = {"id": "a", "tools": json.dumps(TOOLS), "tool_calls": None, "content": "", "finish_reason": "stop"}
+    at_the_call = {**row, "error": "earlier_turn_cut: turn 0 came back with an empty answer", "turns": []}
+    at_the_answer = {**row, "error": None, "turns": [step, step]}
+    assert calls_not_parsed([at_the_call, at_the_answer], [prompt]) == [at_the_call]
+    as_text = {**at_the_answer, "content": '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'}
+    assert calls_not_parsed([as_text], [prompt]) == [as_text]

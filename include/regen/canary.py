@@ -114,6 +114,24 @@ def _tail(k: int, n: int, p: float) -> float:
     return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1))
 
 
+def calls_not_parsed(rows: list[dict], prompts: list[Prompt]) -> list[dict]:
+    """Agentic rows whose last step came back without ``tool_calls`` where the model wrote a call:
+    its text in the answer (no parser), or, where the dataset's step calls, an answer that stopped
+    empty (SGLang drops a call that its parser, made for another call format, cannot read)."""
+    recorded = {p.id: [m.get("tool_calls") for m in p.messages if m["role"] == "assistant"] for p in prompts}
+    out = []
+    for row in rows:
+        if row.get("tool_calls"):
+            continue
+        step = len(row.get("turns") or []) - (0 if row["error"] else 1)  # a refused step is not in turns
+        calls = recorded.get(row["id"], [])
+        dropped = (step < len(calls) and bool(calls[step]) and row["finish_reason"] == "stop"
+                   and not (row["content"] or "").strip())
+        if dropped or written_call(row["content"], row["tools"]):
+            out.append(row)
+    return out
+
+
 def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> CanaryResult:
     prompts, total = first_prompts(cfg.prompts, cfg.canary.size)
     if not prompts:
@@ -162,12 +180,9 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
           f"{cfg.audit.max_degenerate_fraction:.1%} would not hold", plausible=cfg.audit.max_degenerate_fraction)
     check("truncated", f"answers hit max_tokens {cfg.sampling.max_tokens}", limit=0.5)
     agentic = [r for r in rows if r.get("tools")]
-    # A call no parser took apart stays in the answer's text (no parser), or is dropped with its
-    # text (SGLang, a parser of another format): an answer that stopped empty.
-    written = [r for r in agentic if not r.get("tool_calls") and (
-        written_call(r["content"], r["tools"]) or (r["finish_reason"] == "stop" and not (r["content"] or "").strip()))]
+    written = calls_not_parsed(agentic, prompts)
     if written:  # every such row ends at its first call: the run would keep nothing after it
-        sample = {"id": written[0]["id"], "divergence": written[0].get("divergence"),
+        sample = {"id": written[0]["id"], "divergence": written[0].get("divergence"), "error": written[0]["error"],
                   "content": (written[0]["content"] or "")[:200]}
         result.problems.append(
             f"canary: {len(written)} of {len(agentic)} agentic conversations came back with no structured "
