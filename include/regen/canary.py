@@ -61,7 +61,10 @@ def first_prompts(path: str | Path, count: int) -> tuple[list[Prompt], int]:
                 kinds["multi_turn"] = item
             if "agentic" not in kinds and item.agentic:
                 kinds["agentic"] = item
-    wanted = [p for i, p in enumerate(kinds.values()) if p not in list(kinds.values())[:i]]
+    wanted: list[Prompt] = []  # one prompt may be both kinds
+    for prompt in kinds.values():
+        if prompt not in wanted:
+            wanted.append(prompt)
     free = [i for i in reversed(range(len(chosen))) if chosen[i] not in wanted]
     for i, prompt in zip(free, [p for p in wanted if p not in chosen]):
         chosen[i] = prompt
