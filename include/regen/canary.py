@@ -24,7 +24,7 @@ from regen.progress import RunProgress
 from regen.prompts import Prompt, read_prompts
 from regen.results import CanaryReport
 from regen.toolcalls import written_call
-from regen.turns import steps
+from regen.turns import Conversation, steps
 from regen.units import format_duration
 
 log = logging.getLogger("regen.canary")
@@ -121,15 +121,14 @@ def calls_not_parsed(rows: list[dict], prompts: list[Prompt]) -> list[dict]:
     """Agentic rows whose last step came back without ``tool_calls`` where the model wrote a call:
     its text in the answer (no parser), or, where the dataset's step calls, an answer that stopped
     empty (SGLang drops a call that its parser, made for another call format, cannot read)."""
-    recorded = {p.id: [m.get("tool_calls") for m in p.messages if m["role"] == "assistant"] for p in prompts}
+    recorded = {p.id: Conversation(p.id, p.messages) for p in prompts}
     out = []
     for row in rows:
         if row.get("tool_calls"):
             continue
         step = len(row.get("turns") or []) - (0 if row["error"] else 1)  # a refused step is not in turns
-        calls = recorded.get(row["id"], [])
-        dropped = (step < len(calls) and bool(calls[step]) and row["finish_reason"] == "stop"
-                   and not (row["content"] or "").strip())
+        dropped = (row["id"] in recorded and bool(recorded[row["id"]].recorded_calls(step))
+                   and row["finish_reason"] == "stop" and not (row["content"] or "").strip())
         if dropped or written_call(row["content"], row["tools"]):
             out.append(row)
     return out
