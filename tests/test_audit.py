@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 
@@ -216,3 +217,40 @@ def test_worker_processes_give_the_same_report_as_one_process(tmp_path, tiny_mod
     b = pd.read_parquet(tmp_path / "two" / "samples.parquet")
     assert a["loss_tokens"].tolist() == b["loss_tokens"].tolist()
     assert [list(f) for f in a["findings"]] == [list(f) for f in b["findings"]]
+
+
+MAIN_THAT_REFUSES_REIMPORT = '''
+import os, sys
+if __name__ != "__main__":  # as the airflow command in a task: importing it again dies
+    raise SystemExit("the caller's main module was imported again: " + __name__)
+from regen.audit.dataset import audit_dataset
+from regen.audit.findings import AuditThresholds
+report = audit_dataset(sys.argv[1], sys.argv[2], sys.argv[3], AuditThresholds(16, 0.01),
+                       batch_size=32, workers=2)
+print(report.summary.samples, report.summary.counts.get("degenerate", 0))
+'''
+
+
+def test_worker_processes_never_run_the_callers_main_module_again(tmp_path, tiny_model):
+    """multiprocessing's spawn re-imports ``__main__`` in every child: inside an Airflow task
+    that is the airflow command, which dies on the supervisor's database URL."""
+    rows = [row(i) for i in range(150)] + [row(i, reasoning=None, content="OK.") for i in range(150, 200)]
+    data = write_dataset(tmp_path / "data", rows, files=2)
+    script = tmp_path / "caller.py"
+    script.write_text(MAIN_THAT_REFUSES_REIMPORT)
+    env = {**os.environ, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": "airflow-db-not-allowed:///"}
+    done = subprocess.run([str(BIN / "python"), str(script), str(data), str(tiny_model), str(tmp_path / "r")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["200", "50"]
+
+
+def test_a_worker_that_raises_raises_in_the_caller(tmp_path):
+    from regen.childpool import ChildPool
+
+    with ChildPool(2, "json:loads") as pool:
+        assert pool.submit('{"a": 1}').result() == {"a": 1}
+        with pytest.raises(ValueError, match="Expecting value") as raised:
+            pool.submit("not json").result()
+        assert any("in worker process" in note for note in raised.value.__notes__)
+        assert [pool.submit(f"[{i}]").result() for i in range(6)] == [[i] for i in range(6)]

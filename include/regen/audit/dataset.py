@@ -10,11 +10,9 @@ conversations and a self-contained ``report.html`` with histograms.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 from collections import Counter, deque
 from dataclasses import replace
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -26,6 +24,7 @@ from regen.audit.findings import (SAMPLE_SCHEMA, AuditFailed, AuditReport, Audit
                                   mark_duplicates)
 from regen.audit.rules import audit_batch
 from regen.chat.render import load_tokenizer, resolve_training
+from regen.childpool import ChildPool
 from regen.chat.templates import TRAIN_TEMPLATES
 from regen.config import RunConfig
 from regen.errors import DataError
@@ -130,19 +129,19 @@ def _samples(rows: list[dict], thresholds: AuditThresholds, default_thinking: bo
 def audited_batches(batches: Iterable[list[dict]], tokenizer_dir: str, thresholds: AuditThresholds,
                     default_thinking: bool, workers: int) -> Iterator[tuple[list[dict], list[dict]]]:
     """(samples, results) of each batch of rows, in order (a sample per row, or per assistant
-    turn in the events layout); with ``workers`` > 1, batches are audited in that many processes,
-    at most two batches per worker in flight so memory stays bounded."""
+    turn in the events layout); with ``workers`` > 1, batches are audited in that many processes
+    (regen.childpool: they run inside an Airflow task too), at most two batches per worker in
+    flight so memory stays bounded."""
     if workers <= 1:
         tokenizer = load_tokenizer(tokenizer_dir)
         for rows in batches:
             yield _audit_samples(rows, tokenizer, thresholds, default_thinking)
         return
-    context = multiprocessing.get_context("spawn")  # a fork would inherit the tokenizer's threads
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
-                             initargs=(tokenizer_dir, thresholds, default_thinking)) as pool:
+    with ChildPool(workers, "regen.audit.dataset:_worker_audit", "regen.audit.dataset:_worker_init",
+                   (tokenizer_dir, thresholds, default_thinking)) as pool:
         pending: deque = deque()
         for rows in batches:
-            pending.append(pool.submit(_worker_audit, rows))
+            pending.append(pool.submit(rows))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().result()
         while pending:
@@ -157,9 +156,11 @@ def audit_dataset(data: str | Path, tokenizer_dir: str | Path, report_dir: str |
     layout = RunLayout.from_data_arg(data)
     files = AuditFiles(Path(report_dir))
     files.root.mkdir(parents=True, exist_ok=True)
+    rows = count_rows(layout)
     if workers is None:
-        workers = (os.cpu_count() or 1) if count_rows(layout) >= 8 * batch_size else 1
+        workers = (os.cpu_count() or 1) if rows >= 8 * batch_size else 1
     thresholds = resolved(thresholds, load_tokenizer(str(tokenizer_dir)))
+    log.info("auditing %s rows in %d worker process(es)", f"{rows:,}", workers)
     summary = AuditSummary()
     seen: set[str] = set()
     provenance = Provenance(layout)

@@ -1,0 +1,162 @@
+"""Worker processes that work wherever regen runs: each is a fresh ``python -m regen.childpool``.
+
+multiprocessing's ``spawn`` and ``forkserver`` make their children re-import the parent's main
+module. Inside an Airflow 3 task that module is the ``airflow`` command itself: the child imports
+Airflow, which refuses the task supervisor's ``airflow-db-not-allowed:///`` database URL, and
+the pool dies with ``BrokenProcessPool`` (a ``fork`` would inherit the tokenizer's threads). A
+child started here imports only regen and the function it is told to call, so it behaves the
+same under Airflow's LocalExecutor, Celery, an SSH node, pytest and the CLI.
+
+A child reads length-prefixed pickles on its stdin: first ``(initializer, args, function)``
+(``module:name`` strings), then one argument tuple per call; it answers each with
+``(ok, value, traceback)`` on the descriptor that was its stdout (value: the result, or the
+exception, raised again in the parent with the child's traceback as a note). Its own stdout is its stderr, so nothing
+a library prints can corrupt the answers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
+import threading
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+
+_HEADER = struct.Struct("!Q")
+
+
+class ChildFailed(RuntimeError):
+    """A child's call raised (its traceback in the message) or the child died."""
+
+
+def _write(stream: BinaryIO, value: Any) -> None:
+    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def _read(stream: BinaryIO) -> Any:
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        raise EOFError
+    size, = _HEADER.unpack(header)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError
+    return pickle.loads(data)
+
+
+def _resolve(target: str) -> Callable:
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class _Child:
+    def __init__(self, initializer: str, init_args: tuple, function: str, env: dict[str, str]):
+        self.proc = subprocess.Popen([sys.executable, "-m", "regen.childpool"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env, close_fds=True)
+        _write(self.proc.stdin, (initializer, init_args, function))
+
+    def call(self, args: tuple) -> Any:
+        try:
+            _write(self.proc.stdin, args)
+            ok, value, where = _read(self.proc.stdout)
+        except (EOFError, BrokenPipeError, OSError):
+            code = self.proc.wait()
+            raise ChildFailed(f"worker process {self.proc.pid} died (exit status {code}); its "
+                              f"messages are in this log above") from None
+        if not ok:
+            value.add_note(where)
+            raise value
+        return value
+
+    def close(self) -> None:
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class ChildPool:
+    """``workers`` children, each set up once by ``initializer(*init_args)``, then calling
+    ``function(*args)`` per :meth:`submit`; a context manager that stops them all."""
+
+    def __init__(self, workers: int, function: str, initializer: str = "regen.childpool:_nothing",
+                 init_args: tuple = ()):
+        env = dict(os.environ)
+        package_root = str(Path(__file__).resolve().parents[1])  # regen importable wherever it was found
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        self._children = [_Child(initializer, init_args, function, env) for _ in range(workers)]
+        self._idle: queue.Queue[_Child] = queue.Queue()
+        for child in self._children:
+            self._idle.put(child)
+        self._threads = ThreadPoolExecutor(workers, thread_name_prefix="childpool")
+
+    def _call(self, args: tuple) -> Any:
+        child = self._idle.get()
+        try:
+            return child.call(args)
+        finally:
+            self._idle.put(child)
+
+    def submit(self, *args: Any) -> Future:
+        return self._threads.submit(self._call, args)
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=True, cancel_futures=True)
+        for child in self._children:
+            child.close()
+
+    def __enter__(self) -> "ChildPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _nothing() -> None:
+    return None
+
+
+def _serve() -> None:
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # what a library prints goes to stderr
+    requests = sys.stdin.buffer
+    try:
+        initializer, init_args, function = _read(requests)
+    except EOFError:
+        return
+    _resolve(initializer)(*init_args)
+    call = _resolve(function)
+    while True:
+        try:
+            args = _read(requests)
+        except EOFError:
+            return
+        try:
+            answer = (True, call(*args), "")
+        except Exception as exc:  # raised again in the parent, as itself where it pickles
+            where = f"in worker process {os.getpid()}:\n{traceback.format_exc(limit=8)}"
+            try:
+                pickle.loads(pickle.dumps(exc))
+            except Exception:
+                exc = ChildFailed(f"{type(exc).__name__}: {exc}")
+            answer = (False, exc, where)
+        _write(answers, answer)
+
+
+if __name__ == "__main__":
+    _serve()
