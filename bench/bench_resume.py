@@ -40,9 +40,9 @@ def settle_regen(cfg: RunConfig, run_hash: str) -> int:
     manifest = Manifest(RunLayout(cfg.output))
     manifest.ensure(cfg, rebuild=False)
     pending_total = 0
-    for shard in range(cfg.generation.num_shards):
+    for shard in range(cfg.num_shards):
         prompts = manifest.shard_prompts(shard)
-        settled, _ = ShardStore(manifest.layout, shard, cfg.generation.num_shards).settled(prompts.hashes, run_hash)
+        settled, _ = ShardStore(manifest.layout, shard, cfg.num_shards).settled(prompts.hashes, run_hash)
         pending = set(prompts.ids) - settled
         places = sorted((prompts.places[i] for i in pending), key=lambda p: p[1])
         kwargs = template_kwargs(cfg)
@@ -56,10 +56,10 @@ def settle_baseline(cfg: RunConfig, run_hash: str) -> int:
     """Every shard streams the prompt file, keeps its ids and their hashes, reads its journal."""
     kwargs = template_kwargs(cfg)
     pending_total = 0
-    for shard in range(cfg.generation.num_shards):
+    for shard in range(cfg.num_shards):
         hashes = {p.id: prompt_hash(p.messages, kwargs) for p in read_prompts(cfg.prompts)
-                  if isinstance(p, Prompt) and shard_of(p.id, cfg.generation.num_shards) == shard}
-        settled, _ = ShardStore(RunLayout(cfg.output), shard, cfg.generation.num_shards).settled(hashes, run_hash)
+                  if isinstance(p, Prompt) and shard_of(p.id, cfg.num_shards) == shard}
+        settled, _ = ShardStore(RunLayout(cfg.output), shard, cfg.num_shards).settled(hashes, run_hash)
         pending_total += len(set(hashes) - settled)
     return pending_total
 

@@ -139,9 +139,11 @@ def generate(shard: int, params=None) -> str:
     from regen.generate import shard_deadline_s
 
     context = get_current_context()
-    context["shard_label"] = f"shard {shard}/{params['num_shards']}"
+    context["shard_label"] = f"shard {shard}"  # its count is the run's (preflight may have chosen it)
     estimate = (context["ti"].xcom_pull(task_ids="canary") or {}).get("estimate")
-    return _run("generate", shard=shard, strict_index=True, deadline_s=shard_deadline_s(estimate)).summary
+    result = _run("generate", shards=[shard], strict_index=True, deadline_s=shard_deadline_s(estimate))
+    context["shard_label"] = f"shard {shard}/{result.shards[0].num_shards}"
+    return "; ".join(result.summary)
 
 
 @task(retries=0, **_deadline("audit"))

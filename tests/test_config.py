@@ -90,4 +90,4 @@ def test_cli_flags_override_the_yaml_with_the_same_names():
     assert cfg.servers.gpus == [0, 3]
     assert cfg.servers.extra_server_args == ["--tp-size", "2"]
     assert cfg.engine_options.speculative_algorithm == "NEXTN"
-    assert cfg.generation.num_shards == 4  # from the YAML
+    assert cfg.num_shards == 4  # from the YAML

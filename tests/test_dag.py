@@ -186,7 +186,7 @@ def test_thinking_lost_after_the_canary_fails_the_run_at_the_audit(airflow_db, d
     states = _states(run)
     assert run.state == "failed"
     assert states["canary"] == ["success"]
-    assert states["generate"] == ["success"] * cfg.generation.num_shards
+    assert states["generate"] == ["success"] * cfg.num_shards
     assert states["audit"] == ["failed"]
     assert states["stop_servers"] == ["success"]
     summary = json.loads((ROOT / cfg.output / "audit" / "summary.json").read_text())

@@ -236,3 +236,73 @@ def test_unreadable_records_are_listed_with_file_and_line_and_the_shard_goes_on(
     assert errors[0].startswith(f"{prompts}:31: not valid JSON")
     assert errors[1] == f"{prompts}:32: missing 'id'"
     assert len(pd.read_parquet(tmp_path / "ds" / "data")) == 30
+
+
+def test_a_shard_past_its_error_bound_always_ends_while_responses_complete(sim_servers, tmp_path):
+    """The bound trips on the file's first prompts while the rest are answered every few
+    milliseconds: a cancellation that lands as a response completes must still stop its worker
+    (Python 3.11's wait_for lost it; the worker went on through the queue and waited for ever at
+    its end, the shard renewing its lease). Twenty shards; each must fail within seconds and
+    leave no lease behind."""
+    import threading
+
+    from regen.coordination import live_leases
+    from regen.engines.simulator.settings import FAULT_MARKER
+
+    fault = tmp_path / "fault"
+    fault.touch()
+    cfg, records = sim_servers(num_servers=2, sim_tokens_per_second=0, concurrency_per_server=64,
+                               extra_server_args=["--sim-fail-while", str(fault)])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i:04d}", "prompt": f"question {i}"
+                                           + (f" {FAULT_MARKER}" if i < 100 else "")}) + "\n"
+                               for i in range(1500)))
+    tuning = ClientTuning(**{**FAST.__dict__, "failures_before_down": 10**6})
+    for attempt in range(20):
+        out = tmp_path / f"ds{attempt}"
+        outcome: list = []
+
+        def shard() -> None:
+            try:
+                generate_shard(prompts, out, endpoints(records), max_attempts=1, tuning=tuning,
+                               concurrency_per_server=64, max_error_fraction=0.05)
+            except ShardFailed as exc:
+                outcome.append(exc)
+
+        worker = threading.Thread(target=shard, daemon=True)
+        worker.start()
+        worker.join(timeout=30)
+        assert not worker.is_alive(), f"attempt {attempt}: the shard hung after its error bound"
+        assert outcome and "max_error_fraction" in str(outcome[0]), outcome
+        assert live_leases(RunConfig.from_mapping({"prompts": str(prompts), "output": str(out)}).layout) == []
+
+
+def test_a_conversations_turns_stay_on_one_server_while_the_servers_are_balanced(sim_servers, tmp_path):
+    """A fleet that is not full (60 three-turn conversations, 3 servers of 32 slots): least
+    outstanding spreads the first turns, then each conversation's later turns go to the server
+    that holds its prefix. Counted from each simulator's own request log and cache counter."""
+    from collections import defaultdict
+
+    from support.data import write_conversations
+
+    logs = tmp_path / "requests-{port}.jsonl"
+    cfg, records = sim_servers(num_servers=3, concurrency_per_server=32, sim_tokens_per_second=400,
+                               extra_server_args=["--sim-request-log", str(logs)])
+    prompts = write_conversations(tmp_path / "conversations.jsonl", 60, turns=3)
+    result = generate_shard(prompts, tmp_path / "ds", endpoints(records), concurrency_per_server=32)
+    assert result.failed == 0 and result.done == 60
+    servers_of: dict[str, set[int]] = defaultdict(set)
+    per_server = {}
+    for r in records:
+        lines = [json.loads(line) for line in (tmp_path / f"requests-{r.port}.jsonl").read_text().splitlines()]
+        per_server[r.port] = len(lines)
+        for line in lines:
+            first_user = next(m["content"] for m in line["messages"] if m["role"] == "user")
+            servers_of[first_user].add(r.port)
+    assert sum(per_server.values()) == 180
+    assert all(len(ports) == 1 for ports in servers_of.values()), {k: v for k, v in servers_of.items() if len(v) > 1}
+    assert max(per_server.values()) <= 1.25 * min(per_server.values()), per_server
+    for r in records:  # every later turn found its history in that server's prefix cache
+        cached = [line for line in httpx.get(f"{r.url}/metrics").text.splitlines()
+                  if line.startswith("sglang:cached_tokens_total")]
+        assert float(cached[0].rsplit(" ", 1)[1]) > 0

@@ -95,18 +95,18 @@ def test_deleted_prompts_leave_the_dataset_and_edited_ones_are_regenerated(sim_s
     prompts = write_prompts(tmp_path / "p.jsonl", 400)
     cfg = cfg.model_copy(update={"prompts": str(prompts)})
     for shard in range(2):
-        run("generate", cfg, shard=shard)
+        run("generate", cfg, shards=[shard])
     before = requests_total(records)
     write_prompts(prompts, 400, drop=range(0, 100), edit=range(100, 200))
     for shard in range(2):
-        run("generate", cfg, shard=shard)
+        run("generate", cfg, shards=[shard])
     assert requests_total(records) - before == 100  # exactly the edited prompts
     df = pd.read_parquet(Path(cfg.output) / "data").set_index("id")
     assert sorted(df.index) == sorted(f"p{i}" for i in range(100, 400))
     assert df.loc["p150", "messages"][0]["content"] == "An edited question, number 150?"
     again = requests_total(records)
     for shard in range(2):
-        assert run("generate", cfg, shard=shard).done == 0  # up to date: nothing sent
+        assert run("generate", cfg, shards=[shard]).done == 0  # up to date: nothing sent
     assert requests_total(records) == again
 
 
@@ -200,7 +200,7 @@ def test_rows_carry_the_fingerprint_of_the_copy_the_servers_loaded(make_config, 
         with open(weights, "r+b") as fh:  # retrained in place while the run goes on
             fh.write(b"\x01" * 64)
         assert model_fingerprint(source) != staged.fingerprint
-        run("generate", cfg, shard=0)
+        run("generate", cfg, shards=[0])
     finally:
         run("stop_servers", cfg)
     df = pd.read_parquet(Path(cfg.output) / "data")
@@ -264,8 +264,8 @@ def test_the_audit_fails_rows_this_run_did_not_produce(sim_servers, tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", 200)
     cfg = cfg.model_copy(update={"prompts": str(prompts)})
     run("preflight", cfg, code=False)
-    run("generate", cfg, shard=0)
-    run("generate", cfg.model_copy(update={"max_tokens": 900}), shard=1)  # another setting
+    run("generate", cfg, shards=[0])
+    run("generate", cfg.model_copy(update={"max_tokens": 900}), shards=[1])  # another setting
     write_prompts(prompts, 200, edit=[3])
     run("preflight", cfg, code=False)  # the next run's manifest: p3 is not what it was
     report = audit_dataset(cfg.output, cfg.model_path, tmp_path / "audit",

@@ -35,17 +35,17 @@ def test_shards_claim_the_node_with_room_and_never_a_silent_one(make_config, tmp
     a = cfg.for_node("a")
     start_servers(a, a.model_path)  # node b's servers never started: it does not answer
     try:
-        with claim_node(cfg, 0) as first, claim_node(cfg, 1) as second:
+        with claim_node(cfg, [0]) as first, claim_node(cfg, [1]) as second:
             assert first.name == second.name == "a"
             # Node a's two slots are taken and node b is silent: a third shard waits, then gives up.
             with pytest.raises(NoNodeAnswers, match="no node of this run answers"):
                 stop_servers(a.layout, every=True)
-                with claim_node(cfg, 2, give_up_after_s=0):
+                with claim_node(cfg, [2], give_up_after_s=0):
                     pass
         b = cfg.for_node("b")
         start_servers(a, a.model_path)
         start_servers(b, b.model_path)
-        with claim_node(cfg, 0) as first, claim_node(cfg, 1) as second:
+        with claim_node(cfg, [0]) as first, claim_node(cfg, [1]) as second:
             assert {first.name, second.name} == {"a", "b"}  # each takes the node with the most room
     finally:
         for name in ("a", "b"):
@@ -97,7 +97,7 @@ def test_a_task_on_the_wrong_worker_touches_none_of_the_nodes_servers(make_confi
 
     monkeypatch.setenv("REGEN_NODE_NAME", "gpu-b")
     with pytest.raises(ServerError, match="servers run on node gpu-a; this task runs on gpu-b"):
-        run("generate", cfg, shard=0, run_id="dag/run-1")
+        run("generate", cfg, shards=[0], run_id="dag/run-1")
     with pytest.raises(ServerError, match="gpu-a.*gpu-b"):
         start_servers(cfg, cfg.model_path, run_id="dag/run-1")
     with pytest.raises(ServerError, match="gpu-a.*gpu-b"):

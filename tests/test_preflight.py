@@ -249,7 +249,7 @@ def test_conversations_specforge_refuses_fail_preflight_or_are_skipped_never_sen
     skipped = [json.loads(line) for line in cfg.layout.skipped_prompts.read_text().splitlines()]
     assert sorted(s["line"] for s in skipped) == [2, 3, 4] and {s["rule"] for s in skipped} == {
         "role_order", "leading_assistant", "tool_message"}
-    indexed = [Manifest(cfg.layout).shard_prompts(s).ids for s in range(cfg.generation.num_shards)]
+    indexed = [Manifest(cfg.layout).shard_prompts(s).ids for s in range(cfg.num_shards)]
     assert sorted(sum(indexed, [])) == ["ok"]
 
 

@@ -183,3 +183,41 @@ def test_tool_calls_as_sglang_returns_them_by_the_prompts_plan_with_a_knob_to_di
     assert raw["finish_reason"] == "stop" and raw["message"]["content"].startswith('<tool_call>\n{"name": "get_weather"')
     diverging = chat(sim("--tool-call-parser", "qwen25", "--sim-tool-divergence", "1"), messages=asks, tools=TOOLS)
     assert [c["function"]["name"] for c in diverging.json()["choices"][0]["message"]["tool_calls"]] == ["get_date"]
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name}")
+
+
+def test_the_prefix_cache_saves_what_an_earlier_request_sent_and_forgets_the_oldest(sim):
+    """A conversation's next turn finds its earlier turns cached on the server that answered them,
+    as SGLang's radix cache keeps them (reported as SGLang reports it: usage, /metrics); a full
+    cache evicts the least recently used prefix."""
+    url = sim("--enable-cache-report", "--sim-prefix-cache-tokens", "120")
+    system = {"role": "system", "content": "You are terse. " * 20}
+    first = [system, {"role": "user", "content": "What is 2 + 2?"}]
+    body = chat(url, messages=first).json()
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    answer = body["choices"][0]["message"]["content"]
+    second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "And 3 + 3?"}]
+    body = chat(url, messages=second).json()
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == sum(len(m["content"].split()) + 4 for m in first)  # every message of the first turn
+    assert _metric(url, "sglang:cached_tokens_total") == cached
+    assert 0 < _metric(url, "sglang:cache_hit_rate") < 1
+    other = [{"role": "system", "content": "Something else entirely. " * 25}, {"role": "user", "content": "Hi"}]
+    chat(url, messages=other)  # 120 tokens hold one of the two systems: the older one goes
+    body = chat(url, messages=second).json()
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_trace_lengths_are_long_tailed_around_the_median(sim):
+    url = sim("--sim-reasoning-median", "60", "--sim-length-sigma", "0.77")
+    lengths = sorted(len(chat(url, messages=[{"role": "user", "content": f"question {i}"}], max_tokens=1500)
+                         .json()["choices"][0]["message"]["reasoning_content"].split()) for i in range(200))
+    median, p99 = lengths[100], lengths[197]
+    assert 45 <= median <= 75
+    assert p99 >= 3.5 * median

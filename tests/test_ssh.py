@@ -79,7 +79,7 @@ def test_stage_serve_health_logs_and_teardown_run_on_the_node(node, tmp_path):
         text = run("server_logs", cfg).logs
         assert "==> server 0" in text and "regen sim:" in text
         assert run("canary", cfg).passed is True
-        assert "shard 0/2" in run("generate", cfg, shard=0).summary
+        assert "shard 0/2" in run("generate", cfg, shards=[0]).summary[0]
         from regen.dags.runpage import config_data
 
         page = config_data(cfg)  # what the run page shows for a run on the node
@@ -140,8 +140,8 @@ def every_stage(cfg) -> dict[str, dict]:
     try:
         results["logs"] = run("server_logs", cfg, lines=1)
         results["canary"] = run("canary", cfg)
-        for shard in range(cfg.generation.num_shards):
-            results[f"generate {shard}"] = run("generate", cfg, shard=shard)
+        for shard in range(cfg.num_shards):
+            results[f"generate {shard}"] = run("generate", cfg, shards=[shard])
         results["audit"] = run("audit", cfg)
         results["progress"] = run("status", cfg)
     finally:
@@ -345,7 +345,7 @@ def test_a_node_that_hangs_mid_shard_fails_the_attempt_at_its_deadline_and_the_r
 
         def attempt() -> None:
             try:
-                outcome["result"] = run("generate", cfg, shard=0, deadline_s=deadline_s)
+                outcome["result"] = run("generate", cfg, shards=[0], deadline_s=deadline_s)
             except RemoteError as exc:
                 outcome["error"] = exc
 
@@ -367,7 +367,7 @@ def test_a_node_that_hangs_mid_shard_fails_the_attempt_at_its_deadline_and_the_r
         assert 0 < len(finished) < 24  # the node stopped at its deadline, mid-shard
 
         log.unlink()
-        run("generate", cfg, shard=0)  # the retry: a new connection, which the link carries
+        run("generate", cfg, shards=[0])  # the retry: a new connection, which the link carries
         requested = Counter()
         for line in log.read_text().splitlines():
             users = [m["content"] for m in json.loads(line)["messages"] if m["role"] == "user"]

@@ -234,7 +234,7 @@ def test_a_shard_that_finds_no_servers_brings_them_up_itself(make_config):
     """After the teardown ran (a run cleared with only failed), a DAG shard starts the servers
     through the same code as start_servers; the audit's stop then leaves none running."""
     cfg = make_config(num_servers=2, num_shards=2)
-    result = run("generate", cfg, shard=1, run_id="dag/cleared-run")
+    result = run("generate", cfg, shards=[1], run_id="dag/cleared-run")
     assert result.failed == 0 and result.done == result.total
     records = read_state(RunLayout(cfg.output))
     assert len(records) == 2 and {r.owner for r in records} == {"dag/cleared-run"}

@@ -55,7 +55,7 @@ def test_a_conf_that_changes_a_deployment_field_is_refused_naming_it_and_where_i
 def test_a_conf_that_repeats_or_leaves_out_the_deployment_fields_runs_with_the_deployments_values(deployment):
     same = {name: json.loads(deployment.model_dump_json())[name] for name in DEPLOYMENT_FIELDS if name != "api_key"}
     cfg = triggered_run_config(deployment, WHERE, {**same, "num_shards": 5, "temperature": 0.3})
-    assert (cfg.generation.num_shards, cfg.sampling.temperature) == (5, 0.3)  # run fields are the run's
+    assert (cfg.num_shards, cfg.sampling.temperature) == (5, 0.3)  # run fields are the run's
     assert cfg.servers.api_key == deployment.servers.api_key  # the key comes from the deployment only
     stale = triggered_run_config(deployment, WHERE, {"num_shards": 5})
     assert all(stale.flat_value(n) == deployment.flat_value(n) for n in DEPLOYMENT_FIELDS)
@@ -189,7 +189,7 @@ def test_the_run_page_and_every_task_read_the_deployment_as_its_files_say_now(de
     deploy(deployment, folder, "regenerate_chat")
     deploy(deployment.model_copy(update={"output": str(tmp_path / "datasets" / "code")}), folder, "regenerate_code")
     monkeypatch.setenv("REGEN_CONFIG_DIR", str(folder))
-    assert triggered_config("regenerate_chat", {"num_shards": 3}).generation.num_shards == 3
+    assert triggered_config("regenerate_chat", {"num_shards": 3}).num_shards == 3
     with pytest.raises(DeploymentFieldError, match=r"ssh_conn_id: set by the deployment \(.*chat.yaml"):
         triggered_config("regenerate_chat", {"ssh_conn_id": "other", "remote_regen": "/tmp/x"})
     with pytest.raises(DeploymentFieldError, match="holds the dataset of DAG regenerate_code"):

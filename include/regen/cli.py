@@ -173,9 +173,14 @@ def cmd_generate(args) -> int:
     endpoints = [u.strip() for u in args.endpoints.split(",") if u.strip()] if args.endpoints else None
     # Servers named by URL serve what they report, unless a model directory is named too.
     model_from = "model_path" if (args.config or args.config_json or args.model_path) else "servers"
-    shards = [args.shard] if args.shard is not None else list(range(cfg.generation.num_shards))
-    for shard in shards:
-        run("generate", cfg, shard=shard, endpoints=endpoints, model_from=model_from)
+    if endpoints:
+        cfg = cfg.with_num_shards(len(endpoints))
+    else:
+        from regen.servers.gpus import fleet_size  # here: a broken module is preflight's to report
+
+        cfg = cfg.with_num_shards(fleet_size(cfg))
+    shards = [args.shard] if args.shard is not None else list(range(cfg.num_shards))
+    run("generate", cfg, shards=shards, endpoints=endpoints, model_from=model_from)  # all at once: one client
     return 0
 
 

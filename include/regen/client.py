@@ -47,12 +47,16 @@ def _error_text(body: bytes) -> str:
 
 @dataclass
 class Request:
-    """One chat completion to make: an id, the messages, and what to stamp on its row."""
+    """One chat completion to make: an id, the messages, and what to stamp on its row;
+    ``affinity``: the keys of the prefixes it shares with earlier requests (its conversation's,
+    then a shared system prompt's), of which ``shared`` name prefixes many conversations share."""
 
     id: str
     messages: list[dict]
     stamp: dict[str, Any] = field(default_factory=dict)
     tools: list[dict] | None = None
+    affinity: list[str] = field(default_factory=list)
+    shared: set[str] = field(default_factory=set)
 
 
 class Generator:
@@ -83,9 +87,9 @@ class Generator:
         retry = True
         attempt = 0
         for attempt in range(1, self.cfg.generation.max_attempts + 1):
-            endpoint, ticket = await self.pool.acquire(avoid=endpoint)
+            endpoint = await self.pool.acquire(avoid=endpoint, prefer=self.pool.homes(request.affinity))
             sent = time.monotonic()
-            retry, latency = True, None
+            retry, latency, tokens = True, None, 0
             try:
                 status, body = await endpoint.transport.request(
                     "POST", "/v1/chat/completions", msgspec.json.encode(self.payload(endpoint, request)))
@@ -103,9 +107,10 @@ class Generator:
                         last_error = f"unreadable response: {exc}"
                     else:
                         self.pool.record_success(endpoint)
-                        latency = time.monotonic() - sent
+                        self.pool.remember(request.affinity, endpoint, request.shared)
+                        latency, tokens = time.monotonic() - sent, row["completion_tokens"] or 0
                         endpoint.done += 1
-                        endpoint.tokens += row["completion_tokens"] or 0
+                        endpoint.tokens += tokens
                         return row
                 elif _is_retryable_status(status):
                     last_error = f"HTTP {status}: {_error_text(body)}"
@@ -114,7 +119,7 @@ class Generator:
                     last_error = f"HTTP {status}: {_error_text(body)}"
                     retry = False
             finally:
-                await self.pool.release(endpoint, ticket, latency)
+                await self.pool.release(endpoint, latency, tokens)
             if not retry:
                 break
             if attempt < self.cfg.generation.max_attempts:
@@ -145,9 +150,17 @@ class Generator:
 
     async def converse(self, conversation: Conversation) -> dict:
         """The conversation's remaining steps, one request each, in order."""
+        own, shared = f"conversation:{conversation.id}", conversation.shared_prefix_key()
+        affinity = [own, shared] if shared else [own]
+        try:
+            return await self._converse(conversation, affinity, {shared} if shared else set())
+        finally:
+            self.pool.forget(own)
+
+    async def _converse(self, conversation: Conversation, affinity: list[str], shared: set[str]) -> dict:
         while True:
             row = await self.run_one(Request(conversation.id, conversation.request_messages(), conversation.stamp,
-                                             conversation.tools))
+                                             conversation.tools, affinity, shared))
             last = row["error"] is not None or conversation.turns_left == 1
             self.pool.demand = max(0, self.pool.demand - (conversation.turns_left if last else 1))
             if row["error"] is None:

@@ -1,8 +1,11 @@
 """The servers as the client sees them: discovery, per-server limits, dispatch, health probing.
 
-A request goes to the server with the fewest outstanding requests (relative to its limit), so a
-slow server gets less work; at the tail each last request goes where it is expected to finish
-first. A server that keeps failing leaves the rotation and is probed until it is back.
+A request goes to a server with a free request slot, never waits for one while another server
+has a slot free: the server that holds its prefix (the conversation's earlier turns, or the
+shared system prompt and tools of conversations before it) when it has a free slot and, in the
+tail, is not behind (its requests decoding at under half the fastest free server's speed); else the one with the fewest outstanding requests relative to its limit, so a slow server
+gets less work; and once the feed has drained, the fastest server with a free slot, so the tail
+ends sooner. A server that keeps failing leaves the rotation and is probed until it is back.
 """
 
 from __future__ import annotations
@@ -66,8 +69,7 @@ class Endpoint:
     metrics: dict[str, float] = field(default_factory=dict)
     # Its own kept-alive connections, one per request slot (regen.transport).
     transport: StreamTransport | None = field(default=None, repr=False)
-    latency_s: float | None = None  # moving average of a successful request's latency
-    starts: dict[int, float] = field(default_factory=dict)  # in flight: ticket -> start time
+    speed: float | None = None  # moving average of one request's output tokens a second
 
     def connect(self, cfg: RunConfig, slots: int) -> None:
         """Connections for ``slots`` requests in flight, and one each for the health probe and
@@ -89,14 +91,22 @@ class Endpoint:
                 "healthy": self.healthy, "slots": self.size, "limit": self.limit, "metrics": self.metrics}
 
 
-class ServerPool:
-    """Dispatch within per-server limits, and health probing of dropped servers.
+# A server holding a request's prefix takes it while it has a free slot (the request starts at
+# once there, its prefix already computed) and, in the tail, is not behind: its requests decode
+# at least half as fast as on the fastest server with a free slot (a slower one would finish the
+# tail's last turns later than a recomputed prefix costs elsewhere).
+AFFINITY_MIN_SPEED = 0.5
+# Shared prefixes (system prompt and tools) remembered, most recent first.
+SHARED_PREFIXES = 4096
 
-    While prompts are waiting, a request goes to the server with the fewest outstanding requests
-    (every slot stays busy, so each server takes work at the rate it finishes it). Once the shard
-    drains, each last request goes where it is expected to *finish* first, waiting for a fast
-    server's slot rather than starting on a slow one: the tail is what separates a shard's
-    makespan from the ideal.
+
+class ServerPool:
+    """Dispatch within per-server limits, prefix affinity, and health probing of dropped servers.
+
+    A request takes a free slot at once whenever there is one: the drain never holds a request
+    back while a server has room (the DAG's mapped shards on one node hand each other their slots
+    in the tail through :class:`regen.coordination.FairShare`; a request kept waiting for a
+    faster server would leave those slots idle).
     """
 
     def __init__(self, endpoints: list[Endpoint], tuning: ClientTuning, share: "FairShare | None" = None):
@@ -106,7 +116,9 @@ class ServerPool:
         self.demand = sum(e.size for e in endpoints)  # requests still to make; the caller updates it
         self.cond = asyncio.Condition()
         self.draining = False
-        self._tickets = 0
+        self.stayed = 0  # requests that went to the server holding their prefix
+        self.moved = 0  # requests with a known prefix that went elsewhere
+        self._homes: dict[str, list[Endpoint]] = {}  # prefix key -> servers that hold it, newest first
         self._down_since: float | None = None
         self._probes: set[asyncio.Task] = set()
         for endpoint in endpoints:
@@ -134,23 +146,41 @@ class ServerPool:
             async with self.cond:
                 self.cond.notify_all()
 
-    async def acquire(self, avoid: Endpoint | None = None) -> tuple[Endpoint, int]:
+    def homes(self, keys: list[str]) -> list[Endpoint]:
+        """The servers that hold a prefix of these keys (the most specific key first)."""
+        seen: list[Endpoint] = []
+        for key in keys:
+            for endpoint in self._homes.get(key, ()):
+                if endpoint not in seen:
+                    seen.append(endpoint)
+        return seen
+
+    def remember(self, keys: list[str], endpoint: Endpoint, shared: set[str]) -> None:
+        """``endpoint`` now holds the prefixes of ``keys``; a key in ``shared`` (a system prompt
+        many conversations start with) may be held by several servers."""
+        for key in keys:
+            held = [e for e in self._homes.pop(key, ()) if e is not endpoint] if key in shared else []
+            self._homes[key] = [endpoint, *held]
+        while len(self._homes) > SHARED_PREFIXES + self.capacity * 2:
+            self._homes.pop(next(iter(self._homes)))
+
+    def forget(self, key: str) -> None:
+        self._homes.pop(key, None)
+
+    async def acquire(self, avoid: Endpoint | None = None, prefer: list[Endpoint] | None = None) -> Endpoint:
+        """A server with a free slot (``prefer``: those holding the request's prefix, best first)."""
         async with self.cond:
             while True:
                 healthy = [e for e in self.endpoints if e.healthy]
                 if len(healthy) > 1 and avoid in healthy:
                     healthy.remove(avoid)  # a retry goes to another server where there is one
                 free = [e for e in healthy if e.in_flight < e.limit]
-                wait = 1.0
                 if free:
                     self._down_since = None
-                    pick, wait = self._choose(healthy, free)
-                    if pick is not None:
-                        self._tickets += 1
-                        pick.in_flight += 1
-                        pick.starts[self._tickets] = time.monotonic()
-                        return pick, self._tickets
-                elif not healthy:
+                    pick = self._choose(free, prefer or [])
+                    pick.in_flight += 1
+                    return pick
+                if not healthy:
                     now = time.monotonic()
                     self._down_since = self._down_since or now
                     if now - self._down_since > self.tuning.all_down_timeout_s:
@@ -159,35 +189,32 @@ class ServerPool:
                             f"for {self.tuning.all_down_timeout_s:.0f} s; finished rows are kept: "
                             f"restart the servers (clear start_servers) and rerun the shard"
                         )
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.cond.wait(), timeout=wait)
+                with contextlib.suppress(TimeoutError):  # asyncio.timeout: wait_for can lose a cancel
+                    async with asyncio.timeout(1.0):  # a release or a probe notifies sooner
+                        await self.cond.wait()
 
-    def _choose(self, healthy: list[Endpoint], free: list[Endpoint]) -> tuple[Endpoint | None, float]:
-        """(server to use now, or None to wait; how long to wait at most)."""
-        least_outstanding = min(free, key=lambda e: e.in_flight / e.limit)
-        if not self.draining or any(e.latency_s is None for e in healthy):
-            return least_outstanding, 0.0
-        now = time.monotonic()
+    def _choose(self, free: list[Endpoint], prefer: list[Endpoint]) -> Endpoint:
+        """One of the servers with a free slot."""
+        load = lambda e: e.in_flight / e.limit  # noqa: E731
+        known = [e for e in free if e.speed]
+        fastest = max((e.speed for e in known), default=None)
+        for home in prefer:
+            if home in free and not (self.draining and fastest and home.speed
+                                     and home.speed < AFFINITY_MIN_SPEED * fastest):
+                self.stayed += 1
+                return home
+        if prefer:
+            self.moved += 1
+        if self.draining and len(known) == len(free):
+            return max(free, key=lambda e: (e.speed, -load(e)))  # the tail: where it finishes first
+        return min(free, key=load)
 
-        def next_free(e: Endpoint) -> float:
-            if e.in_flight < e.limit:
-                return now
-            if not e.starts:  # no slot held here now
-                return float("inf")
-            return max(now, min(e.starts.values()) + e.latency_s)
-
-        best = min(healthy, key=lambda e: next_free(e) + e.latency_s)
-        if best.in_flight < best.limit:
-            return best, 0.0
-        return None, max(0.005, next_free(best) - now)
-
-    async def release(self, endpoint: Endpoint, ticket: int, latency_s: float | None = None) -> None:
+    async def release(self, endpoint: Endpoint, latency_s: float | None = None, tokens: int = 0) -> None:
         async with self.cond:
             endpoint.in_flight -= 1
-            endpoint.starts.pop(ticket, None)
-            if latency_s is not None:
-                endpoint.latency_s = latency_s if endpoint.latency_s is None else (
-                    0.8 * endpoint.latency_s + 0.2 * latency_s)
+            if latency_s and tokens:
+                speed = tokens / latency_s
+                endpoint.speed = speed if endpoint.speed is None else 0.9 * endpoint.speed + 0.1 * speed
             self.cond.notify_all()
 
     def record_success(self, endpoint: Endpoint) -> None:

@@ -1,4 +1,4 @@
-"""The generate stage: one shard of prompts, sent exactly once, resumable at any point.
+"""The generate stage: shards of prompts, sent exactly once, resumable at any point.
 
 A shard's prompts are the ids that hash to it. Ids that already have a row (in the journal of an
 interrupted attempt, or in the shard's file from an earlier run with the same model and settings)
@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from regen.alerts import check_overdue
@@ -29,7 +30,7 @@ from regen.manifest import Manifest, ShardPrompts, model_fingerprint, prompt_has
 from regen.placement import servers_for
 from regen.progress import RunProgress
 from regen.prompts import Prompt, PromptError, read_at
-from regen.results import ShardResult
+from regen.results import GenerateResult, ShardResult
 from regen.store import Journal, ShardStore
 from regen.turns import Conversation
 from regen.units import format_duration
@@ -48,8 +49,43 @@ def served_identity(endpoints: list) -> str:
     return "served:" + hashlib.sha256(seen.pop().encode()).hexdigest()[:16]
 
 
+@dataclass
+class _Shard:
+    """One shard of an attempt: its files, its slice of the index and what it has done."""
+
+    store: ShardStore
+    prompts: ShardPrompts
+    settled: set[str] = field(default_factory=set)
+    pending: set[str] = field(default_factory=set)
+    resumed: dict[str, list[dict]] = field(default_factory=dict)
+    journal: Journal | None = None
+    bad: int = 0
+    done: int = 0
+    failed: int = 0
+    tokens: int = 0
+    up_to_date: bool = False
+
+    @property
+    def total(self) -> int:
+        return len(self.prompts.ids)
+
+    @property
+    def skipped(self) -> int:
+        return len(self.settled)
+
+    def turns_left(self, prompt_id: str, all_turns: bool) -> int:
+        return self.prompts.turns[prompt_id] - len(self.resumed.get(prompt_id, ())) if all_turns else 1
+
+
 class ShardRun:
-    """One attempt at one shard: settle what is done, send the rest, publish the shard's file.
+    """One attempt at one or more shards: settle what is done, send the rest, publish each
+    shard's file.
+
+    The shards of one attempt share one client: one feed of conversations (the longest chains
+    of requests first, whichever shard they belong to), one budget of request slots, one lease.
+    So a process that runs every shard (``regen generate`` without ``--shard``) never lets one
+    shard's tail idle the servers while the next waits. Each row goes to its own shard's journal,
+    and each shard's error bound is its own.
 
     ``model_identity``: what the servers serve (the fingerprint of the model copy they loaded);
     None takes it from what the servers report (`--endpoints` without a model directory).
@@ -57,7 +93,7 @@ class ShardRun:
     CLI); a DAG shard instead refuses a file that changed after its run's preflight.
     """
 
-    def __init__(self, cfg: RunConfig, endpoints: list[tuple[str, str | None]], shard: int,
+    def __init__(self, cfg: RunConfig, endpoints: list[tuple[str, str | None]], shards: int | list[int],
                  model_identity: str | None, tuning: ClientTuning | None = None,
                  on_row: Callable[[dict], None] | None = None, rebuild_index: bool = True,
                  expected_models: dict[str, str] | None = None, run_id: str = "cli",
@@ -71,7 +107,12 @@ class ShardRun:
         self.rebuild_index = rebuild_index
         self.expected_models = expected_models or {}
         self.layout = cfg.layout
-        self.store = ShardStore(self.layout, shard, cfg.generation.num_shards)
+        numbers = [shards] if isinstance(shards, int) else sorted(set(shards))
+        if not numbers:
+            raise ValueError("no shard to run")
+        self.stores = [ShardStore(self.layout, n, cfg.num_shards) for n in numbers]
+        self.shards: dict[int, _Shard] = {}
+        self.shard_of: dict[str, _Shard] = {}
         self.progress = RunProgress(self.layout)
         self.manifest = Manifest(self.layout)
         self.model_identity = model_identity
@@ -81,96 +122,112 @@ class ShardRun:
         self.eps: list = []
 
     @property
-    def shard(self) -> int:
-        return self.store.shard
+    def name(self) -> str:
+        names = [s.name for s in self.stores]
+        return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} shards)"
 
-    def run(self) -> ShardResult:
-        with self.store.lock():
+    def run(self) -> GenerateResult:
+        with contextlib.ExitStack() as locks:
+            for store in self.stores:
+                locks.enter_context(store.lock())
             return asyncio.run(self._run())
 
     def _time_left(self) -> float | None:
         return None if self.deadline_s is None else max(self.deadline_s - (time.monotonic() - self.started), 0.0)
 
-    def _report_bad(self, doc: dict) -> int:
+    def _report_bad(self, doc: dict, store: ShardStore) -> int:
         """Unreadable records of the prompt file that fall to this shard, listed with file:line."""
         bad = [text for line, text in (doc.get("prompts") or {}).get("unreadable", [])
-               if line % self.cfg.generation.num_shards == self.shard]
+               if line % self.cfg.num_shards == store.shard]
         if not bad:
             return 0
-        self.store.errors_path.parent.mkdir(parents=True, exist_ok=True)
-        self.store.errors_path.write_text("".join(f"{e}\n" for e in bad))
+        store.errors_path.parent.mkdir(parents=True, exist_ok=True)
+        store.errors_path.write_text("".join(f"{e}\n" for e in bad))
         for err in bad[:5]:
             log.warning("unreadable prompt record: %s", err)
-        log.warning("%d unreadable record(s) listed in %s", len(bad), self.store.errors_path)
+        log.warning("%d unreadable record(s) listed in %s", len(bad), store.errors_path)
         return len(bad)
 
-    def _conversations(self, prompts: ShardPrompts, pending: set[str],
-                       resumed: dict[str, list[dict]]) -> Iterator[Conversation]:
-        """The pending conversations, read where the index says they are, each checked against
-        the hash the index recorded (a file changed under a running shard fails it, clearly);
-        those with the most turns still to make first, as they are the longest chains of
-        requests, then in file order. A conversation cut mid-way resumes after its last turn."""
+    def _conversations(self, work: list[_Shard]) -> Iterator[Conversation]:
+        """The pending conversations of every shard, read where the index says they are, each
+        checked against the hash the index recorded (a file changed under a running shard fails
+        it, clearly); those with the most turns still to make first, as they are the longest
+        chains of requests, then in file order. A conversation cut mid-way resumes after its last
+        turn."""
         kwargs = template_kwargs(self.cfg)
         all_turns = self.cfg.generation.regenerate_turns == "all"
-
-        def left(i: str) -> int:
-            return prompts.turns[i] - len(resumed.get(i, ())) if all_turns else 1
-
-        order = sorted(pending, key=lambda i: (-left(i), prompts.places[i][1]))
-        for item in read_at(self.cfg.prompts, [prompts.places[i] for i in order]):
-            if isinstance(item, PromptError) or prompts.hashes.get(item.id) != prompt_hash(item.messages, kwargs, item.tools):
+        order = sorted(((shard, i) for shard in work for i in shard.pending),
+                       key=lambda item: (-item[0].turns_left(item[1], all_turns), item[0].prompts.places[item[1]]))
+        for item in read_at(self.cfg.prompts, [shard.prompts.places[i] for shard, i in order]):
+            shard = self.shard_of.get(getattr(item, "id", None))
+            if isinstance(item, PromptError) or shard is None or \
+                    shard.prompts.hashes.get(item.id) != prompt_hash(item.messages, kwargs, item.tools):
                 raise ShardFailed(
-                    f"{self.store.name}: {self.cfg.prompts} changed while the run went on (line "
+                    f"{self.name}: {self.cfg.prompts} changed while the run went on (line "
                     f"{item.line} is not what was indexed); finished rows are kept. Clear the whole "
                     f"run to regenerate from the file as it is now")
             yield Conversation(item.id, item.messages,
-                               {"prompt_hash": prompts.hashes[item.id], "settings_hash": self.settings_hash},
-                               list(resumed.get(item.id, ())) if all_turns else [], all_turns, item.tools)
+                               {"prompt_hash": shard.prompts.hashes[item.id], "settings_hash": self.settings_hash},
+                               list(shard.resumed.get(item.id, ())) if all_turns else [], all_turns, item.tools)
 
-    async def _run(self) -> ShardResult:
+    def _settle(self, doc: dict) -> list[_Shard]:
+        """Each shard's rows already made, and what it still has to send; the shards with work."""
+        all_turns = self.cfg.generation.regenerate_turns == "all"
+        for store in self.stores:
+            shard = _Shard(store, self.manifest.shard_prompts(store.shard), bad=self._report_bad(doc, store))
+            settled, file_ids = store.settled(shard.prompts.hashes, self.settings_hash)
+            shard.settled = settled
+            self.shards[store.shard] = shard
+            if store.complete(shard.prompts.ids, settled, file_ids):
+                shard.up_to_date = True
+                log.info("%s is up to date: every prompt has a good row of this run's prompts, "
+                         "model and settings (%s); nothing to send", store.name, store.final)
+                continue
+            shard.pending = set(shard.prompts.ids) - settled
+            shard.resumed = store.turns_done(shard.prompts.hashes, self.settings_hash)
+            for prompt_id in shard.pending:
+                self.shard_of[prompt_id] = shard
+            log.info("%s: %d prompts, %d already have a row, %d to send", store.name, shard.total,
+                     shard.skipped, len(shard.pending))
+            if shard.resumed:
+                log.info("%s: %d conversations resume after their last finished turn", store.name,
+                         len(set(shard.resumed) & shard.pending))
+        work = [s for s in self.shards.values() if not s.up_to_date]
+        self.demand = sum(s.turns_left(i, all_turns) for s in work for i in s.pending)
+        return work
+
+    async def _run(self) -> GenerateResult:
         doc = self.manifest.ensure(self.cfg, rebuild=self.rebuild_index)
-        bad = self._report_bad(doc)
-        prompts = self.manifest.shard_prompts(self.shard)
-        journal = None
+        work: list[_Shard] = []
         try:
             async with open_endpoints(self.endpoints, self.cfg, self.tuning, self.expected_models) as eps:
                 self.eps = eps
                 identity = self.model_identity or served_identity(eps)
                 self.settings_hash = settings_hash(identity, self.cfg.sampling_settings())
                 self.manifest.update(settings_hash=self.settings_hash, model_identity=identity)
-                settled, file_ids = self.store.settled(prompts.hashes, self.settings_hash)
-                total, skipped = len(prompts.ids), len(settled)
-                self.total, self.skipped = total, skipped
-                if self.store.complete(prompts.ids, settled, file_ids):
-                    log.info("%s is up to date: every prompt has a good row of this run's prompts, "
-                             "model and settings (%s); nothing to send", self.store.name, self.store.final)
-                    self.progress.write_shard(self.shard, {
-                        "state": "done", "shard": self.shard, "num_shards": self.cfg.generation.num_shards,
-                        "total": total, "done": total, "failed": 0, "sent": 0, "tokens_per_s": 0.0,
-                        "eta_s": 0, "servers": {}})
-                    return self._result(total, 0, 0, total, bad, 0.0, 0)
-                log.info("%s: %d prompts, %d already have a row, %d to send", self.store.name, total,
-                         skipped, total - skipped)
-                pending = set(prompts.ids) - settled
-                resumed = self.store.turns_done(prompts.hashes, self.settings_hash)
-                if resumed:
-                    log.info("%s: %d conversations resume after their last finished turn", self.store.name,
-                             len(set(resumed) & pending))
-                journal = Journal(self.store.journal_path)
-                share = FairShare(self.layout, shard_key(self.shard), self.run_id, eps)
+                work = self._settle(doc)
+                for shard in self.shards.values():
+                    if shard.up_to_date:
+                        self._report_shard(shard, "done")
+                if not work:
+                    return self._result()
+                for shard in work:
+                    shard.journal = Journal(shard.store.journal_path)
+                share = FairShare(self.layout, shard_key(self.stores[0].shard), self.run_id, eps)
                 pool = ServerPool(eps, self.tuning, share)
-                pool.demand = sum(prompts.turns[i] - len(resumed.get(i, ())) for i in pending) \
-                    if self.cfg.generation.regenerate_turns == "all" else len(pending)
-                self.gen = Generator(pool, self.cfg, self.tuning, lambda row: self._sink(journal, row),
-                                     lambda row: self._append(journal, row))
+                pool.demand = self.demand
+                self.gen = Generator(pool, self.cfg, self.tuning, self._sink, self._append)
                 self._report()
                 reporter = asyncio.create_task(self._reporter())
+                deadline = asyncio.timeout(self._time_left())
                 try:
-                    await asyncio.wait_for(self.gen.run(self._conversations(prompts, pending, resumed)),
-                                           self._time_left())
-                except asyncio.TimeoutError:
+                    async with deadline:  # never wait_for: it can lose a cancellation (Python 3.11)
+                        await self.gen.run(self._conversations(work))
+                except TimeoutError:
+                    if not deadline.expired():
+                        raise
                     self._report("failed")
-                    raise ShardFailed(f"{self.store.name} passed its deadline of {self.deadline_s:.0f} s "
+                    raise ShardFailed(f"{self.name} passed its deadline of {self.deadline_s:.0f} s "
                                       f"(derived from the canary's estimate); what it finished is kept and "
                                       f"its retry resumes from there") from None
                 except BaseException:
@@ -180,82 +237,106 @@ class ShardRun:
                     reporter.cancel()
                     pool.close()
         finally:
-            if journal is not None:
-                journal.close()
-        try:
-            self.store.publish(prompts.hashes, self.settings_hash)
-        except OSError as exc:
-            raise ShardFailed(f"{self.store.name}: cannot write {self.store.final.name}: "
-                              f"{exc.strerror or exc}; data/ is unchanged and the journal is kept") from exc
+            for shard in work:
+                if shard.journal is not None:
+                    shard.journal.close()
+        for shard in work:
+            try:
+                shard.store.publish(shard.prompts.hashes, self.settings_hash)
+            except OSError as exc:
+                raise ShardFailed(f"{shard.store.name}: cannot write {shard.store.final.name}: "
+                                  f"{exc.strerror or exc}; data/ is unchanged and the journal is kept") from exc
+        result = self._result()
         elapsed = time.monotonic() - self.started
-        result = self._result(total, self.gen.done, self.gen.failed, skipped, bad, elapsed, self.gen.tokens)
-        data = self._report("done")
-        data.update(tokens_per_s=round(self.gen.tokens / elapsed, 1) if elapsed > 0 else 0.0, eta_s=0)
-        self.progress.write_shard(self.shard, data)
+        for shard in work:
+            data = self._report_shard(shard, "done")
+            data.update(tokens_per_s=round(shard.tokens / elapsed, 1) if elapsed > 0 else 0.0, eta_s=0)
+            self.progress.write_shard(shard.store.shard, data)
         return result
 
-    def _result(self, total: int, done: int, failed: int, skipped: int, bad: int, seconds: float,
-                tokens: int) -> ShardResult:
-        return ShardResult(shard=self.shard, num_shards=self.cfg.generation.num_shards, total=total, done=done,
-                           failed=failed, skipped=skipped, bad_records=bad, seconds=seconds, tokens=tokens,
-                           path=str(self.store.final), node=self.cfg.this_node().name)
+    def _result(self) -> GenerateResult:
+        seconds = time.monotonic() - self.started
+        node = self.cfg.this_node().name
+        return GenerateResult(seconds=seconds, shards=[ShardResult(
+            shard=s.store.shard, num_shards=self.cfg.num_shards, total=s.total, done=s.done,
+            failed=s.failed, skipped=s.skipped, bad_records=s.bad, seconds=seconds, tokens=s.tokens,
+            path=str(s.store.final), node=node) for s in self.shards.values()])
 
-    def _append(self, journal: Journal, row: dict) -> None:
+    def _append(self, row: dict) -> None:
+        shard = self.shard_of[row["id"]]
         try:
-            journal.append(row)
+            shard.journal.append(row)
         except OSError as exc:
-            raise ShardFailed(f"{self.store.name}: cannot write {self.store.journal_path}: "
+            raise ShardFailed(f"{shard.store.name}: cannot write {shard.store.journal_path}: "
                               f"{exc.strerror or exc}") from exc
 
-    def _sink(self, journal: Journal, row: dict) -> None:
-        self._append(journal, row)
+    def _sink(self, row: dict) -> None:
+        self._append(row)
+        shard = self.shard_of[row["id"]]
+        if row["error"] is None:
+            shard.done += 1
+            shard.tokens += row.get("completion_tokens") or 0
+        else:
+            shard.failed += 1
         if self.on_row is not None:
             self.on_row(row)
         if row["error"] is not None:
-            self._check_errors()
+            self._check_errors(shard)
 
-    def _check_errors(self) -> None:
-        bound = self.cfg.generation.max_error_fraction * max(self.total, 1)
-        if self.gen.failed > bound and self.gen.failed >= 1:
+    def _check_errors(self, shard: _Shard) -> None:
+        bound = self.cfg.generation.max_error_fraction * max(shard.total, 1)
+        if shard.failed > bound and shard.failed >= 1:
             raise ShardFailed(
-                f"{self.store.name}: {self.gen.failed} of {self.total} prompts failed (more than "
+                f"{shard.store.name}: {shard.failed} of {shard.total} prompts failed (more than "
                 f"max_error_fraction {self.cfg.generation.max_error_fraction:.0%}); last errors in "
-                f"{self.store.journal_path}; finished rows are kept"
+                f"{shard.store.journal_path}; finished rows are kept"
             )
 
-    def _report(self, state: str = "running") -> dict:
-        gen = self.gen
-        rows_s, tok_s = gen.rates()
-        left = self.total - self.skipped - gen.done - gen.failed
+    def _report_shard(self, shard: _Shard, state: str) -> dict:
+        rows_s, tok_s = self.gen.rates() if self.gen else (0.0, 0.0)
+        share = (len(shard.pending) / max(sum(len(s.pending) for s in self.shards.values()), 1))
+        left = len(shard.pending) - shard.done - shard.failed
+        rows_s, tok_s = rows_s * share, tok_s * share  # the attempt's rates, by each shard's part
         data = {
-            "state": state, "shard": self.shard, "num_shards": self.cfg.generation.num_shards,
+            "state": state, "shard": shard.store.shard, "num_shards": self.cfg.num_shards,
             "node": self.cfg.this_node().name,
-            "total": self.total, "done": self.skipped + gen.done, "failed": gen.failed,
-            "sent": gen.done + gen.failed, "tokens": gen.tokens,
+            "total": shard.total, "done": shard.skipped + shard.done, "failed": shard.failed,
+            "sent": shard.done + shard.failed, "tokens": shard.tokens,
             "started_at": round(self.started_wall, 2),
             "rows_per_s": round(rows_s, 3), "tokens_per_s": round(tok_s, 1),
-            "eta_s": round(left / rows_s) if rows_s > 0 else None,
+            "eta_s": 0 if state == "done" else (round(left / rows_s) if rows_s > 0 else None),
             "elapsed_s": round(time.monotonic() - self.started, 1),
             "servers": {e.url: e.report() for e in self.eps},
         }
-        self.progress.write_shard(self.shard, data)
+        self.progress.write_shard(shard.store.shard, data)
         return data
+
+    def _report(self, state: str = "running") -> dict:
+        """Each shard's part of progress.json; the first one's document (the log line's)."""
+        docs = [self._report_shard(s, state) for s in self.shards.values() if not s.up_to_date]
+        return docs[0] if docs else {}
 
     async def _reporter(self) -> None:
         while True:
             await asyncio.sleep(self.tuning.progress_interval_s)
             await asyncio.gather(*(scrape_metrics(e) for e in self.eps))
-            data = self._report()
+            self._report()
             check_overdue(self.layout)
-            log.info("shard %d/%d: %s/%s done, %d failed, %s tok/s, ETA %s", self.shard,
-                     self.cfg.generation.num_shards, f"{data['done']:,}", f"{self.total:,}", data["failed"],
-                     f"{data['tokens_per_s']:,.0f}", format_duration(data["eta_s"]))
+            work = [s for s in self.shards.values() if not s.up_to_date]
+            total = sum(s.total for s in work)
+            done = sum(s.skipped + s.done for s in work)
+            rows_s, tok_s = self.gen.rates()
+            left = total - done - sum(s.failed for s in work)
+            log.info("%s: %s/%s done, %d failed, %s tok/s, ETA %s", self.name, f"{done:,}", f"{total:,}",
+                     sum(s.failed for s in work), f"{tok_s:,.0f}",
+                     format_duration(round(left / rows_s) if rows_s > 0 else None))
 
 
-def generate_shard(cfg: RunConfig, shard: int, endpoints: list[str] | None = None,
-                   model_from: str = "servers", strict_index: bool = False, run_id: str | None = None,
-                   give_up_after_s: float | None = None, deadline_s: float | None = None) -> ShardResult:
-    """The generate stage. Default: the servers start_servers recorded, and the model identity it
+def generate(cfg: RunConfig, shards: list[int], endpoints: list[str] | None = None,
+             model_from: str = "servers", strict_index: bool = False, run_id: str | None = None,
+             give_up_after_s: float | None = None, deadline_s: float | None = None) -> GenerateResult:
+    """The generate stage: ``shards`` in one attempt (a DAG task's one, or every shard of a
+    ``regen generate`` that names none), through one client. Default: the servers start_servers recorded, and the model identity it
     recorded (the fingerprint of the copy they loaded); with ``run_id`` (a DAG shard), servers
     that are gone are brought up here first, so any retry path resumes the shard.
     ``endpoints``: URLs of running servers; their model's identity is then what they report
@@ -280,7 +361,7 @@ def generate_shard(cfg: RunConfig, shard: int, endpoints: list[str] | None = Non
         expected = {r.url: r.served_model for r in records if r.served_model}
     with _progress_bar() as on_row:
         tuning = ClientTuning(all_down_timeout_s=give_up_after_s) if give_up_after_s else None
-        return ShardRun(cfg, pairs, shard, identity, tuning=tuning, on_row=on_row,
+        return ShardRun(cfg, pairs, shards, identity, tuning=tuning, on_row=on_row,
                         rebuild_index=not strict_index, expected_models=expected, run_id=run_id or "cli",
                         deadline_s=deadline_s).run()
 
@@ -306,12 +387,12 @@ def shards_to_run(cfg: RunConfig) -> list[int]:
     finds nothing new, so that no server starts. Every shard when the model is not here."""
     identity = model_fingerprint(cfg.model_path)
     if identity is None:
-        return list(range(cfg.generation.num_shards))
+        return list(range(cfg.num_shards))
     wanted = settings_hash(identity, cfg.sampling_settings())
     layout, manifest = RunLayout(cfg.output), Manifest(RunLayout(cfg.output))
     left = []
-    for shard in range(cfg.generation.num_shards):
-        store, prompts = ShardStore(layout, shard, cfg.generation.num_shards), manifest.shard_prompts(shard)
+    for shard in range(cfg.num_shards):
+        store, prompts = ShardStore(layout, shard, cfg.num_shards), manifest.shard_prompts(shard)
         if not store.complete(prompts.ids, *store.settled(prompts.hashes, wanted)):
             left.append(shard)
     return left

@@ -127,7 +127,7 @@ class PromptIndexWriter:
     def add(self, prompt) -> None:
         c = self.columns
         c["id"].append(prompt.id)
-        c["shard"].append(shard_of(prompt.id, self.cfg.generation.num_shards))
+        c["shard"].append(shard_of(prompt.id, self.cfg.num_shards))
         c["prompt_hash"].append(prompt_hash(prompt.messages, self.kwargs, prompt.tools))
         c["line"].append(prompt.line)
         c["offset"].append(prompt.offset)
@@ -184,7 +184,7 @@ class Manifest:
             raise ManifestError(f"prompts {cfg.prompts}: changed while it was read ({index.source_stat['size']:,} -> "
                                 f"{now['size']:,} bytes): run again once the file is complete")
         count = index.write(self.layout)
-        return self.update(run_id=run_id, num_shards=cfg.generation.num_shards, sampling=cfg.sampling_settings(),
+        return self.update(run_id=run_id, num_shards=cfg.num_shards, sampling=cfg.sampling_settings(),
                            index_version=INDEX_VERSION,
                            prompts={**index.source_stat, "count": count,
                                     "chat_template_kwargs": template_kwargs(cfg),
@@ -199,7 +199,7 @@ class Manifest:
         if not self.layout.prompt_index.exists() or not Path(cfg.prompts).exists():
             return None
         if ({k: prompts.get(k) for k in ("path", "size", "mtime_ns")} != prompt_file_stat(cfg.prompts)
-                or doc.get("num_shards") != cfg.generation.num_shards or doc.get("index_version") != INDEX_VERSION
+                or doc.get("num_shards") != cfg.num_shards or doc.get("index_version") != INDEX_VERSION
                 or prompts.get("chat_template_kwargs") != template_kwargs(cfg)):
             return None
         return doc

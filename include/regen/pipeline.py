@@ -50,7 +50,7 @@ def run(name: str, cfg: RunConfig, node: str | None = None, run_id: str | None =
     if entry.where is Where.NODE:
         result = _run_at(entry, cfg.for_node(_spec(cfg, node)), kwargs)
     elif entry.where is Where.CLAIM and not kwargs.get("endpoints"):
-        with claim_node(cfg, kwargs["shard"]) as spec:
+        with claim_node(cfg, kwargs["shards"]) as spec:
             if not spec.is_run_node:
                 kwargs.setdefault("give_up_after_s", NODE_LOST_AFTER_S)
             result = _run_at(entry, cfg.for_node(spec), kwargs)

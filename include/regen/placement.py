@@ -57,10 +57,12 @@ def can_take_shards(cfg: RunConfig, spec: NodeSpec) -> bool:
 
 
 @contextlib.contextmanager
-def claim_node(cfg: RunConfig, shard: int, give_up_after_s: float = 600.0) -> Iterator[NodeSpec]:
-    """The node this shard generates on, held until the block ends. Waits while every answering
-    node is full; NoNodeAnswers when none answers for ``give_up_after_s``."""
-    specs = cfg.node_specs()
+def claim_node(cfg: RunConfig, shards: list[int], give_up_after_s: float = 600.0) -> Iterator[NodeSpec]:
+    """The node these shards generate on, held until the block ends: one of the run's nodes, or
+    the one the config names (``regen generate --node NAME``). Waits while every answering node
+    is full; NoNodeAnswers when none answers for ``give_up_after_s``."""
+    specs = [cfg.this_node()] if cfg.node else cfg.node_specs()
+    label = f"shard {shards[0]} generates" if len(shards) == 1 else f"shards {', '.join(map(str, shards))} generate"
     claims = {spec.name: shard_claims(cfg.layout, spec.name, spec.max_shards) for spec in specs}
     silent_since = time.monotonic()
     while True:
@@ -76,7 +78,7 @@ def claim_node(cfg: RunConfig, shard: int, give_up_after_s: float = 600.0) -> It
             claim = claims[spec.name]
             if not claim.take(1):
                 continue
-            log.info("shard %d generates on node %s (%d of its %d shard slots taken)", shard, spec.name,
+            log.info("%s on node %s (%d of its %d shard slots taken)", label, spec.name,
                      claim.size - claim.free(), claim.size)
             try:
                 yield spec

@@ -328,7 +328,7 @@ def check_space(cfg: RunConfig, report: PreflightReport) -> None:
 def check_output(cfg: RunConfig, report: PreflightReport) -> None:
     """An output made with another shard count would end with ids twice: refuse it."""
     counts = {parse_shard_file(p.name)[1] for p in cfg.layout.shard_files()}
-    other = sorted(counts - {cfg.generation.num_shards})
+    other = sorted(counts - {cfg.num_shards})
     if other:
         report.problems.append(
             f"output {cfg.output}: data/ holds shards of a {'/'.join(map(str, other))}-shard run; "
@@ -356,9 +356,9 @@ def check_ports(cfg: RunConfig, report: PreflightReport) -> None:
 
 
 def check_map_length(cfg: RunConfig, report: PreflightReport, max_map_length: int | None) -> None:
-    if max_map_length is not None and cfg.generation.num_shards > max_map_length:
+    if max_map_length is not None and cfg.num_shards > max_map_length:
         report.problems.append(
-            f"num_shards {cfg.generation.num_shards} is above this Airflow's max_map_length {max_map_length} "
+            f"num_shards {cfg.num_shards} is above this Airflow's max_map_length {max_map_length} "
             f"([core] max_map_length): the generate task could not be mapped; use at most "
             f"{max_map_length} shards or raise the setting")
 
@@ -425,7 +425,9 @@ def check(cfg: RunConfig, code: bool = True, run_id: str = "cli",
     ``max_map_length``: the deployment's limit on mapped tasks (the DAG passes Airflow's);
     ``dag_nodes`` and ``dag_queue``: the listed node names and the run's queue the DAG was built with."""
     from regen.manifest import Manifest
+    from regen.servers.gpus import fleet_size
 
+    cfg = cfg.with_num_shards(fleet_size(cfg))  # recorded with the prompt index below
     report = run_preflight(cfg, code=code, max_map_length=max_map_length,
                            scope="run" if cfg.nodes else "all", dag_nodes=dag_nodes, dag_queue=dag_queue)
     if not report.ok:
@@ -434,7 +436,7 @@ def check(cfg: RunConfig, code: bool = True, run_id: str = "cli",
     Manifest(cfg.layout).write_prompts(cfg, report.info["_index"], run_id)
     info = {k: v for k, v in report.info.items() if not k.startswith("_")}
     shards = shards_to_run(cfg)
-    work = (f"{len(shards)} of {cfg.generation.num_shards} shards with work" if shards else
+    work = (f"{len(shards)} of {cfg.num_shards} shards with work" if shards else
             "up to date: every prompt has a good row of this model and settings, nothing to send")
     return PreflightResult(shards=shards, up_to_date=not shards, info=info, seconds=round(report.seconds, 2),
                            summary=f"preflight passed in {report.seconds:.1f} s: "

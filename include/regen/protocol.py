@@ -55,6 +55,7 @@ class ChatReply:
     completion_token_ids: list[int] | None = None
     model: str | None = None
     tool_calls: list[dict] | None = None  # regen.toolcalls' shape
+    cached_tokens: int | None = None  # of the prompt, from the server's prefix cache (where it reports them)
 
 
 def read_tool_calls(message: dict) -> list[dict] | None:
@@ -96,7 +97,9 @@ def chat_response(model: str, reply: ChatReply) -> dict[str, Any]:
     prompt, completion = reply.prompt_tokens or 0, reply.completion_tokens or 0
     return {"id": secrets.token_hex(8), "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": [choice],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                      **({"prompt_tokens_details": {"cached_tokens": reply.cached_tokens}}
+                         if reply.cached_tokens is not None else {})}}
 
 
 def error_body(message: str, code: int, kind: str = "BadRequestError") -> dict[str, Any]:

@@ -107,6 +107,38 @@ class ShardResult(StageResult):
                             f"{format_duration(self.seconds)}")
 
 
+class GenerateResult(StageResult):
+    """The shards of one generate attempt (one for a DAG task), and their totals."""
+
+    shards: list[ShardResult]
+    seconds: float
+    summary: list[str] = []
+
+    def model_post_init(self, _context: Any) -> None:
+        if not self.summary:
+            self.summary = [s.summary for s in self.shards]
+            if len(self.shards) > 1:
+                rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
+                self.summary.append(f"{len(self.shards)} shards: {self.done + self.skipped:,}/{self.total:,} rows "
+                                    f"({self.skipped:,} from earlier runs), {self.failed:,} failed, {rate:,.0f} tok/s, "
+                                    f"{format_duration(self.seconds)}")
+
+    def _sum(self, name: str) -> int:
+        return sum(getattr(s, name) for s in self.shards)
+
+    total = property(lambda self: self._sum("total"))
+    done = property(lambda self: self._sum("done"))
+    failed = property(lambda self: self._sum("failed"))
+    skipped = property(lambda self: self._sum("skipped"))
+    bad_records = property(lambda self: self._sum("bad_records"))
+    tokens = property(lambda self: self._sum("tokens"))
+
+    @property
+    def path(self) -> str | None:
+        """The shard's file, for an attempt at one shard."""
+        return self.shards[0].path if len(self.shards) == 1 else None
+
+
 class AuditResult(StageResult):
     verdict: str
     rows: int  # the dataset's rows; samples are what training sees (one per assistant turn in events)

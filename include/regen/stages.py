@@ -65,7 +65,7 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
           deadline_s=900.0, plus_startup_timeout=True),
     Stage("canary", "regen.canary:probe", results.CanaryReport, Where.EVERY_NODE, takes_run_id=True,
           deadline_s=2 * 3600.0),
-    Stage("generate", "regen.generate:generate_shard", results.ShardResult, Where.CLAIM, takes_run_id=True,
+    Stage("generate", "regen.generate:generate", results.GenerateResult, Where.CLAIM, takes_run_id=True,
           deadline_s=7 * 24 * 3600.0),  # without a canary's estimate: a week
     Stage("stop_servers", "regen.servers.lifecycle:teardown", results.ServersStopped, Where.NODE,
           takes_run_id=True, deadline_s=900.0),

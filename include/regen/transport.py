@@ -51,13 +51,14 @@ class StreamTransport(httpx2.AsyncBaseTransport):
                 (reader, writer), reused = await self._connection()
                 try:
                     writer.write(message)
-                    status, content, keep = await asyncio.wait_for(_response(reader), timeout=timeout)
+                    async with asyncio.timeout(timeout):  # never wait_for: it can lose a cancellation
+                        status, content, keep = await _response(reader)
                 except _StaleConnection:
                     writer.close()
                     if reused and attempt == 0:
                         continue
                     raise httpx2.RemoteProtocolError("server closed the connection without a response") from None
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     writer.close()
                     raise httpx2.ReadTimeout(f"no response within {timeout:.0f} s") from None
                 except asyncio.IncompleteReadError:
@@ -84,9 +85,9 @@ class StreamTransport(httpx2.AsyncBaseTransport):
                 continue
             return (reader, writer), True
         try:
-            conn = await asyncio.wait_for(asyncio.open_connection(self.host, self.port),
-                                          timeout=self.connect_timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.connect_timeout):
+                conn = await asyncio.open_connection(self.host, self.port)
+        except TimeoutError:
             raise httpx2.ConnectTimeout(f"connecting to {self.host}:{self.port} timed out") from None
         except OSError as exc:
             raise httpx2.ConnectError(f"{self.host}:{self.port}: {exc.strerror or exc}") from exc

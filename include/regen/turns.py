@@ -24,6 +24,7 @@ turn is built on an answer training would not use.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ ANSWER_FIELDS = ("reasoning_content", "content", "tool_calls", "finish_reason", 
                  "completion_tokens", "completion_token_ids")
 EARLIER_TURN_CUT = "earlier turn unusable"  # how the error of such a conversation starts
 TOOL_DIVERGENCE = "tool_divergence"  # how the divergence of such a conversation starts
+SHARED_PREFIX_MIN_CHARS = 1000  # about 250 tokens: below it, a prefix cache hit saves little
 
 
 @dataclass
@@ -56,6 +58,15 @@ class Conversation:
         """The calls the dataset's ``step``-th assistant message made (None: the last step)."""
         recorded = [m for m in self.messages if m["role"] == "assistant"]
         return (recorded[step].get("tool_calls") or []) if step < len(recorded) else None
+
+    def shared_prefix_key(self) -> str | None:
+        """A key for the prefix this conversation may share with others (its system prompt and
+        tools), when that prefix is long enough for a server's prefix cache to matter."""
+        system = [m.get("content") for m in self.messages[:1] if m["role"] == "system"]
+        text = json.dumps([system, self.tools], ensure_ascii=False) if (system or self.tools) else ""
+        if len(text) < SHARED_PREFIX_MIN_CHARS:
+            return None
+        return "prefix:" + hashlib.sha1(text.encode()).hexdigest()[:16]
 
     @property
     def turns_left(self) -> int:

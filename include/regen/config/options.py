@@ -200,9 +200,11 @@ class GenerationOptions(Options):
                     "leading assistant, a late system message, empty content, a tool result that answers no call) are left "
                     "out before any request and listed in work/skipped.jsonl. Off: preflight fails on "
                     "them, counted per rule.")
-    num_shards: int = Field(
-        4, ge=1, le=4096, title="Shards",
-        description="Generation is split into this many Airflow tasks, by a stable hash of the id.")
+    num_shards: int | None = Field(
+        None, ge=1, le=4096, title="Shards",
+        description="Generation is split into this many Airflow tasks, by a stable hash of the id. "
+        "Empty: chosen by preflight for the fleet, one per server of the run (every node's), or the "
+        "output's own count when it resumes one; recorded in its manifest.")
     concurrency_per_server: int | None = Field(
         None, ge=1, title="Concurrency per server",
         description="Requests in flight per server, all shards on the node together. Empty: what "

@@ -28,7 +28,8 @@ from regen.config.options import (
     SimulatorOptions,
     plain_path,
 )
-from regen.layout import RunLayout
+from regen.files import read_json
+from regen.layout import RunLayout, parse_shard_file
 from regen.paths import DEMO_MODEL, DEMO_PROMPTS, PROJECT_ROOT, VAR_DIR
 
 Engine = Literal["sglang", "vllm", "sim"]
@@ -200,9 +201,36 @@ class RunConfig(BaseModel):
         field = flat_fields(RunConfig)[name]
         return getattr(getattr(self, field.group), field.attr) if field.group else getattr(self, name)
 
+    @property
+    def num_shards(self) -> int:
+        """The run's shard count: the field, else the one preflight chose for the fleet (the
+        output's manifest records it)."""
+        chosen = self.generation.num_shards or self.recorded_num_shards()
+        if chosen is None:
+            raise ConfigError(f"num_shards: not chosen yet for {self.output}: preflight chooses it for the "
+                              f"fleet (one shard per server); run preflight first, or set num_shards")
+        return chosen
+
+    def recorded_num_shards(self) -> int | None:
+        """The shard count the output already has: its manifest's, else its shard files'."""
+        recorded = (read_json(self.layout.manifest) or {}).get("num_shards")
+        if recorded:
+            return int(recorded)
+        counts = {parse_shard_file(p.name)[1] for p in self.layout.shard_files()}
+        return max(counts) if counts else None
+
+    def with_num_shards(self, servers: int) -> "RunConfig":
+        """This config with its shard count decided: the field, else the output's own (a resume
+        keeps its shards), else one per server of the run (``servers``, every node's)."""
+        if self.generation.num_shards:
+            return self
+        return self.model_copy(update={"num_shards": self.recorded_num_shards() or max(1, min(servers, 4096))})
+
     def node_specs(self) -> list[NodeSpec]:
-        """The run's nodes, never empty: the listed ones, or the run's own (this machine)."""
-        return list(self.nodes) or [NodeSpec.of_run(max_shards=self.generation.num_shards)]
+        """The run's nodes, never empty: the listed ones, or the run's own (this machine), which
+        takes every shard at once."""
+        return list(self.nodes) or [NodeSpec.of_run(max_shards=self.generation.num_shards
+                                                    or self.recorded_num_shards() or 1)]
 
     def this_node(self) -> NodeSpec:
         """The node a stage of this config runs for."""

@@ -16,7 +16,11 @@ from regen.layout import RunLayout
 
 def water_fill(capacity: int, demands: dict[str, int]) -> dict[str, int]:
     """Max-min fair shares of ``capacity`` slots: nobody gets more than it asks, the rest is
-    split evenly, remainders to the first names in order (the same answer in every process)."""
+    split evenly, remainders to the first names in order (the same answer in every process).
+    Slots nobody asks for are split the same way among those that ask for any: a demand is
+    spread over the servers evenly, but a conversation's next turn goes where its prefix is, so
+    the slots a server has spare must not be withheld from the process whose turns land there
+    (a newcomer takes them back at the next rebalance)."""
     shares = {name: 0 for name in demands}
     left, wanting = capacity, sorted(demands, key=lambda n: (demands[n], n))
     while left > 0 and wanting:
@@ -34,6 +38,11 @@ def water_fill(capacity: int, demands: dict[str, int]) -> dict[str, int]:
         for name in sorted(wanting)[:left]:
             shares[name] += 1
         left = 0
+    asking = sorted(n for n in demands if demands[n] > 0)
+    if left > 0 and asking:
+        even, rest = divmod(left, len(asking))
+        for index, name in enumerate(asking):
+            shares[name] += even + (index < rest)
     return shares
 
 

@@ -30,7 +30,7 @@ class SGLang(Engine):
     run_flags = frozenset({
         "--mem-fraction-static", "--max-running-requests", "--max-total-tokens", "--max-prefill-tokens",
         "--chunked-prefill-size", "--context-length", "--schedule-policy", "--schedule-conservativeness",
-        "--cuda-graph-max-bs", "--cuda-graph-bs", "--disable-cuda-graph", "--disable-radix-cache",
+        "--cuda-graph-max-bs", "--cuda-graph-bs", "--disable-cuda-graph", "--disable-radix-cache", "--enable-cache-report",
         "--enable-mixed-chunk", "--enable-dp-attention", "--attention-backend", "--sampling-backend",
         "--kv-cache-dtype", "--stream-interval", "--random-seed", "--log-level", "--watchdog-timeout",
         "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",

@@ -74,3 +74,18 @@ def server_devices(cfg: RunConfig) -> list[str | None]:
             + ("cannot hold one server" if len(chosen) < per else f"leave {len(chosen) % per} unused")
             + f"; list a multiple of {per} in gpus, or change tp_size/dp_size")
     return [",".join(chosen[i:i + per]) for i in range(0, len(chosen), per)]
+
+
+def fleet_size(cfg: RunConfig) -> int:
+    """How many servers the run starts, every node's: this node's plan for a one-node run; for a
+    listed node (its GPUs are its own machine's), its ``gpus`` or ``num_servers`` by server size."""
+    if not cfg.nodes:
+        try:
+            return len(server_devices(cfg))
+        except GpuLayoutError:  # preflight names it
+            return 1
+    total = 0
+    for spec in cfg.node_specs():
+        node = cfg.for_node(spec)
+        total += max(1, node.servers.count_hint() // (gpus_per_server(node) if node.servers.gpus else 1))
+    return total

@@ -20,20 +20,23 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from regen.engines.simulator.batching import BatchScheduler, SimState
+from regen.engines.simulator.prefixcache import PrefixCache
 from regen.engines.simulator.settings import FAULT_MARKER, READS_JSON_CALLS, SimSettings, argument_parser, from_args
-from regen.engines.simulator.text import SimTokens, call_text, compose, count_prompt_tokens, plan_calls
+from regen.engines.simulator.text import SimTokens, call_text, compose, count_prompt_tokens, message_tokens, plan_calls
 from regen.protocol import ChatReply, chat_response, error_body, server_info
 
 
 class SimServer:
     """One simulated server: its settings, counters, scheduler and routes."""
 
-    def __init__(self, settings: SimSettings):
+    def __init__(self, settings: SimSettings, port: int = 0):
         self.settings = settings
+        self.request_log = settings.request_log.replace("{port}", str(port)) if settings.request_log else None
         self.state = SimState()
         self.tokens = SimTokens(settings.model_path) if settings.model_path else None
         self.effective = settings.effective_max_running_requests or settings.max_running_requests or 64
         self.scheduler = BatchScheduler(settings, self.effective * settings.dp_size, self.state)
+        self.cache = PrefixCache(0 if settings.disable_radix_cache else settings.prefix_cache_tokens)
         self.failures = random.Random(settings.seed ^ 0x5EED)
 
     def app(self) -> Starlette:
@@ -78,6 +81,7 @@ class SimServer:
             "sim_waited_requests_total": self.state.waited_total,
             "sim_peak_requests_in_flight": self.state.peak,
             "sim_requests_in_flight": self.state.in_flight,
+            "sim_busy_slot_seconds": round(self.state.busy_slot_seconds(), 3),
         }))
 
     async def metrics(self, request: Request):
@@ -85,12 +89,15 @@ class SimServer:
         gauges = {"num_running_reqs": state.running, "num_queue_reqs": state.queued,
                   "gen_throughput": f"{state.throughput():.3f}",
                   "spec_accept_length": 3.6 if self.settings.speculative_algorithm else 1.0}
+        gauges["cache_hit_rate"] = f"{state.cached_tokens_total / max(state.prompt_tokens_total, 1):.4f}"
         counters = {"num_requests_total": state.requests_total, "prompt_tokens_total": state.prompt_tokens_total,
                     "generation_tokens_total": state.generation_tokens_total}
         lines = []
         for kind, values in (("gauge", gauges), ("counter", counters)):
             for name, value in values.items():
                 lines += [f"# TYPE sglang:{name} {kind}", f"sglang:{name}{labels} {value}"]
+        lines += ["# TYPE sglang:cached_tokens_total counter",
+                  f'sglang:cached_tokens_total{labels[:-1]},cache_source="device"}} {state.cached_tokens_total}']
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def chat(self, request: Request):
@@ -106,11 +113,12 @@ class SimServer:
             assert isinstance(messages, list) and messages
         except Exception:
             return JSONResponse(error_body("messages: field required", 400), status_code=400)
-        if s.request_log:
-            with open(s.request_log, "a") as log_file:
+        if self.request_log:
+            with open(self.request_log, "a") as log_file:
                 log_file.write(json.dumps({"messages": messages}) + "\n")
         max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 2048)
         prompt_tokens = count_prompt_tokens(messages)
+        cached, _ = self.cache.lookup(messages, body.get("tools"), message_tokens)
         if prompt_tokens + max_tokens > s.context_length:
             return JSONResponse(error_body(
                 f"Requested token count exceeds the model's maximum context length of {s.context_length} "
@@ -125,7 +133,7 @@ class SimServer:
         degraded = s.ignore_thinking or (s.ignore_thinking_after is not None
                                          and state.requests_total > s.ignore_thinking_after)
         thinking = bool(kwargs.get("enable_thinking", True)) and not degraded
-        reasoning, answer = compose(messages, thinking, body.get("seed"), s.seed)
+        reasoning, answer = compose(messages, thinking, body.get("seed"), s.seed, s.reasoning_median, s.length_sigma)
         budget = max_tokens
         think_tokens = reasoning[:budget]
         budget -= len(think_tokens) + (1 if reasoning else 0)
@@ -140,16 +148,18 @@ class SimServer:
             if s.ttft_s > 0:
                 await asyncio.sleep(s.ttft_s)
             if s.tokens_per_second > 0:
-                await self.scheduler.submit(prompt_tokens, completion)
+                await self.scheduler.submit(prompt_tokens - cached, completion)  # the cached prefix is not prefilled
         finally:
             state.in_flight -= 1
         state.prompt_tokens_total += prompt_tokens
+        state.cached_tokens_total += cached
         state.generation_tokens_total += completion
         state.recent.append((time.monotonic(), completion))
         reply = ChatReply(content=" ".join(answer_tokens),  # "" when none, as SGLang 0.5.23 answers
                           reasoning_content=" ".join(think_tokens) if reasoning else None,
                           finish_reason="stop" if finished else "length",
-                          prompt_tokens=prompt_tokens, completion_tokens=completion)
+                          prompt_tokens=prompt_tokens, completion_tokens=completion,
+                          cached_tokens=cached if s.enable_cache_report else None)
         calls = plan_calls(messages, body.get("tools") if body.get("tool_choice") != "none" else None,
                            s.tool_divergence, body.get("seed"), s.seed) if finished else None
         if calls and s.tool_call_parser and READS_JSON_CALLS[s.tool_call_parser]:  # the calls apart, no text
@@ -190,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.orphan_child:
         subprocess.Popen([sys.executable, "-c", "import signal, time; "
                           "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(86400)"])
-    config = uvicorn.Config(SimServer(settings).app(), host=args.host, port=args.port,
+    config = uvicorn.Config(SimServer(settings, args.port).app(), host=args.host, port=args.port,
                             log_level="warning", access_log=False, lifespan="off")
     server = uvicorn.Server(config)
     server.run()

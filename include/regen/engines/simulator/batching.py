@@ -23,7 +23,14 @@ class SimState:
     waited_total: int = 0  # requests that found every slot taken and queued
     in_flight: int = 0  # received and not yet answered
     peak: int = 0  # the most requests in flight at once
+    cached_tokens_total: int = 0  # prompt tokens the prefix cache saved from prefill
+    slot_seconds: float = 0.0  # the integral of running requests over time, up to slot_clock
+    slot_clock: float = field(default_factory=time.monotonic)
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+    def busy_slot_seconds(self) -> float:
+        """Request-seconds of decoding so far: over (slots x time), how busy the batch was."""
+        return self.slot_seconds + self.running * (time.monotonic() - self.slot_clock)
 
     def throughput(self, window: float = 10.0) -> float:
         now = time.monotonic()
@@ -65,6 +72,9 @@ class BatchScheduler:
         await future
 
     def _count(self) -> None:
+        now = time.monotonic()
+        self.state.slot_seconds += self.state.running * (now - self.state.slot_clock)
+        self.state.slot_clock = now
         self.state.running, self.state.queued = len(self.running), len(self.waiting)
 
     async def _run(self) -> None:
@@ -96,5 +106,6 @@ class BatchScheduler:
                 last = time.monotonic()
                 continue
             next_done = min(i[0] for i in self.running) / self.rate(len(self.running))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), timeout=max(next_done, 0.0005))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(next_done, 0.0005)):
+                    await self.wake.wait()

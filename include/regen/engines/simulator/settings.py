@@ -49,6 +49,17 @@ class SimSettings:
     prefill_tokens_per_second: float = _flag("--sim-prefill-tokens-per-second", "prompt tokens "
                                              "prefilled a second while the batch waits (0: free)", 0.0)
     ttft_s: float = _flag("--sim-ttft", "time to first token (s)", 0.0)
+    prefix_cache_tokens: int = _flag("--sim-prefix-cache-tokens", "prompt tokens the prefix cache holds (at "
+                                     "message boundaries, least recently used evicted): a request's cached "
+                                     "prefix is not prefilled, as SGLang's radix cache saves it", 1_000_000)
+    disable_radix_cache: bool = _flag("--disable-radix-cache", "no prefix cache, as SGLang's flag", False)
+    enable_cache_report: bool = _flag("--enable-cache-report", "usage.prompt_tokens_details.cached_tokens in "
+                                      "each response, as SGLang's flag", False)
+    reasoning_median: int = _flag("--sim-reasoning-median", "median words of a thinking trace (0: 40 to 120, "
+                                  "uniform)", 0)
+    length_sigma: float = _flag("--sim-length-sigma", "spread of trace lengths around the median (log-normal "
+                                "sigma; 0.77 puts the 99th percentile at 6x the median, as reasoning traces "
+                                "are)", 0.0)
     failure_rate: float = _flag("--sim-failure-rate", "fraction of requests answered with HTTP 500", 0.0)
     hang_rate: float = _flag("--sim-hang-rate", "fraction of requests that never answer", 0.0)
     tool_divergence: float = _flag("--sim-tool-divergence", "fraction of tool-calling steps that call another "
@@ -62,7 +73,7 @@ class SimSettings:
     fail_while: str | None = _flag("--sim-fail-while", f"while FILE exists, answer HTTP 500 to prompts "
                                    f"containing {FAULT_MARKER!r} (a fault that goes away)", names_a_file=True)
     request_log: str | None = _flag("--sim-request-log", "append every chat request's messages to "
-                                    "FILE (JSON lines)", names_a_file=True)
+                                    "FILE (JSON lines; {port} in it becomes the server's port)", names_a_file=True)
     orphan_child: bool = _flag("--sim-orphan-child", "leave a child that ignores SIGTERM and outlives "
                                "the server, as SGLang's scheduler children have been seen to do "
                                "(issues 23627, 15165)", False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from pathlib import Path
 
@@ -31,12 +32,16 @@ def _rng(messages: list[dict], seed: int | None, base_seed: int) -> random.Rando
     return random.Random(hashlib.sha256(key.encode()).digest())
 
 
-def compose(messages: list[dict], thinking: bool, seed: int | None, base_seed: int = 0) -> tuple[list[str], list[str]]:
-    """(reasoning words, answer words) for a request; no reasoning when thinking is off."""
+def compose(messages: list[dict], thinking: bool, seed: int | None, base_seed: int = 0,
+            reasoning_median: int = 0, length_sigma: float = 0.0) -> tuple[list[str], list[str]]:
+    """(reasoning words, answer words) for a request; no reasoning when thinking is off. The
+    trace's length is 40 to 120 words, or log-normal around ``reasoning_median``."""
     rng = _rng(messages, seed, base_seed)
     if not thinking:
         return [], [NO_THINKING_ANSWER]
-    reasoning = [rng.choice(REASONING_WORDS) for _ in range(rng.randint(40, 120))]
+    length = (max(4, round(reasoning_median * math.exp(length_sigma * rng.gauss(0.0, 1.0))))
+              if reasoning_median else rng.randint(40, 120))
+    reasoning = [rng.choice(REASONING_WORDS) for _ in range(length)]
     answer = [rng.choice(ANSWER_WORDS) for _ in range(rng.randint(12, 48))]
     answer[-1] = answer[-1] + "."
     return reasoning, answer
@@ -82,8 +87,13 @@ def call_text(call: dict) -> str:
     return f'<tool_call>\n{{"name": "{function["name"]}", "arguments": {function["arguments"]}}}\n</tool_call>'
 
 
+def message_tokens(message: dict) -> int:
+    """A message's tokens as the simulator counts them: its words and four for its frame."""
+    return len(str(message.get("content", "")).split()) + 4
+
+
 def count_prompt_tokens(messages: list[dict]) -> int:
-    return sum(len(str(m.get("content", "")).split()) + 4 for m in messages) + 2
+    return sum(message_tokens(m) for m in messages) + 2
 
 
 class SimTokens:
