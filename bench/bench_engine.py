@@ -223,7 +223,7 @@ def main() -> None:
     if args.client:
         client_main(args.client, args.engine, args.url, args.prompts, args.concurrency, args.max_tokens)
         return
-    if not (args.vllm_python and args.model):
+    if args.engine == "vllm" and not (args.vllm_python and args.model):
         sys.exit("needs REGEN_VLLM_PYTHON and REGEN_TRAINED_MODEL (`make vllm-cpu` builds both)")
     from regen.layout import RunLayout
     from regen.servers.lifecycle import stop_servers

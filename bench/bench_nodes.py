@@ -56,10 +56,14 @@ def write_config(tmp: Path, name: str, prompts: Path, shards: int, max_tokens: i
     return path
 
 
+class RegenFailed(RuntimeError):
+    pass
+
+
 def regen(*args: str) -> None:
     out = subprocess.run([REGEN, "--no-progress-bar", *args], capture_output=True, text=True)
     if out.returncode != 0:
-        sys.exit(f"regen {' '.join(args)} failed:\n{out.stderr[-3000:]}")
+        raise RegenFailed(f"regen {' '.join(args)} failed:\n{out.stderr[-3000:]}")
 
 
 def plan(mode: str, shards: int) -> tuple[dict[str, list[int]], list[tuple[str, str | None]]]:
@@ -80,14 +84,19 @@ def run_shards(config: Path, shards: int, mode: str) -> float:
     """Makespan of every shard, as the mode's runners take them."""
     queues, runners = plan(mode, shards)
     lock = threading.Lock()
+    failures: list[RegenFailed] = []
 
     def runner(queue: str, node: str | None) -> None:
         while True:
             with lock:
-                if not queues[queue]:
+                if not queues[queue] or failures:
                     return
                 shard = queues[queue].pop(0)
-            regen("generate", "--config", str(config), "--shard", str(shard), *(["--node", node] if node else []))
+            try:
+                regen("generate", "--config", str(config), "--shard", str(shard), *(["--node", node] if node else []))
+            except RegenFailed as exc:  # a thread cannot end the bench: the main thread raises it
+                failures.append(exc)
+                return
 
     threads = [threading.Thread(target=runner, args=runner_args) for runner_args in runners]
     started = time.perf_counter()
@@ -95,6 +104,8 @@ def run_shards(config: Path, shards: int, mode: str) -> float:
         t.start()
     for t in threads:
         t.join()
+    if failures:
+        raise failures[0]
     return time.perf_counter() - started
 
 
@@ -129,7 +140,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--shards", type=int, default=24)
     parser.add_argument("--prompts", type=int, default=1120)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=256)  # the simulator's longest answer: no turn cut
     args = parser.parse_args()
     modes = list(NAMES)
     results: dict[str, list[dict]] = {m: [] for m in modes}
@@ -152,7 +163,7 @@ def main() -> None:
 
         rows.append(f"| {NAMES[mode]} | {each('makespan', '{:.1f}')} | {each('ideal', '{:.1f}')} | "
                     f"{each('ratio', '{:.2f}')} | {each('nominal_ratio', '{:.2f}')} | {each('fast_share', '{:.0%}')} | "
-                    + " ; ".join(f"{r['capacity']['fast']:,.0f} · {r['capacity']['slow']:,.0f}" for r in rs) + " |")
+                    + " ; ".join(f"{r['capacity'].get('fast', 0):,.0f} · {r['capacity'].get('slow', 0):,.0f}" for r in rs) + " |")
     body = "\n".join(rows) + (
         f"\n\nTwo simulated nodes, one server each ({SLOTS} requests at once; {SPEED:.0f} and "
         f"{SPEED / 2:.0f} tokens/s per request), {count:,} prompts (max_tokens {args.max_tokens}) in "

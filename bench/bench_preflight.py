@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -35,11 +36,11 @@ SEED_BUG = ("\n\nMAX_OUTPUT_TOKENS = 4096\n\n\ndef configure(max_tokens):\n"
             "    global MAX_OUTPUT_TOKENS\n    MAX_OUTPUT_TOKENS = max_tokens\n")
 
 
-def million_prompts(path: Path) -> None:
+def many_prompts(path: Path, count: int) -> None:
     rng = random.Random(1)
     words = "alpha beta gamma delta explain why how compute the value of a system in detail".split()
     with path.open("w") as fh:
-        for i in range(1_000_000):
+        for i in range(count):
             text = " ".join(rng.choice(words) for _ in range(rng.randint(8, 40)))
             record = ({"id": f"p{i}", "messages": [{"role": "user", "content": text}]}, 
                       {"id": f"p{i}", "conversations": [{"from": "human", "value": text}]},
@@ -65,10 +66,14 @@ def seed_bug_project(tmp: Path) -> Path:
 def main() -> None:
     from regen.tinymodel import build_tiny_model
 
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=1_000_000)
+    args = parser.parse_args()
+
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         prompts = tmp / "prompts.jsonl"
-        million_prompts(prompts)
+        many_prompts(prompts, args.prompts)
         model = build_tiny_model(tmp / "model")
         cfg = RunConfig.from_mapping({"model_path": str(model), "prompts": str(prompts),
                                       "output": str(tmp / "out"), "staging_dir": str(tmp / "shm"),
@@ -79,12 +84,17 @@ def main() -> None:
 
         copy = seed_bug_project(tmp)
         small = cfg.model_copy(update={"prompts": str(PROJECT_ROOT / "demo" / "prompts.jsonl")})
-        env = dict(os.environ, PYTHONPATH=str(copy / "include"),
+        # Deployed as a team would (its file in REGEN_CONFIG_DIR), triggered with the form's conf.
+        configs = tmp / "regen-configs"
+        configs.mkdir()
+        (configs / "dataset.yaml").write_text(small.to_yaml())
+        env = dict(os.environ, PYTHONPATH=str(copy / "include"), REGEN_CONFIG_DIR=str(configs),
                    AIRFLOW_HOME=os.environ.get("AIRFLOW_HOME", str(PROJECT_ROOT / "var" / "airflow")),
                    AIRFLOW__CORE__LOAD_EXAMPLES="False", AIRFLOW__CORE__DAGS_FOLDER=str(copy / "dags"))
+        conf = {k: v for k, v in json.loads(small.model_dump_json()).items() if k not in ("node", "api_key")}
         started = time.perf_counter()
         dag = subprocess.run([str(BIN / "airflow"), "dags", "test", "regenerate_dataset", "--conf",
-                              small.model_dump_json()], capture_output=True, text=True, env=env)
+                              json.dumps(conf)], capture_output=True, text=True, env=env)
         regen_fail = time.perf_counter() - started
         assert dag.returncode != 0 and "used prior to global declaration" in dag.stdout + dag.stderr, (
             dag.stdout[-3000:] + dag.stderr[-3000:])
@@ -116,7 +126,7 @@ def main() -> None:
                         str(tmp / "hand")], check=True, capture_output=True)
     body = (
         "| step | seconds |\n| --- | --- |\n"
-        f"| bare `json.loads` over 1,000,000 prompts (baseline) | {bare:.1f} |\n"
+        f"| bare `json.loads` over {args.prompts:,} prompts (baseline) | {bare:.1f} |\n"
         f"| regen's prompt checks over the same file | {checks:.1f} |\n"
         f"| the whole preflight (code compiled and imported, config, template, prompts, space, ports) | {whole:.1f} |\n\n"
         "| the seed's bug in the generator module | seconds to the failure | servers started |\n"

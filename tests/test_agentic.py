@@ -185,3 +185,19 @@ def test_the_audit_counts_agentic_rows_and_the_viewer_shows_their_calls(sim_serv
         calls = [text for v in views for kind, text in v["segments"] if kind == "loss" and "<tool_call>" in text]
         results = [text for v in views for kind, text in v["segments"] if kind == "prompt" and "<tool_response>" in text]
         assert calls and results  # the calls trained on, the results in the prompt
+
+
+def test_parallel_calls_in_another_order_diverge_and_are_never_spliced_onto_the_wrong_call():
+    """The recorded step calls get_weather then get_date; a model that calls them the other way
+    round would take each result under the other call's id: the step diverges instead, naming both."""
+    from regen.turns import Conversation
+
+    messages = agentic_messages("order", [["get_weather", "get_date"]])
+    conversation = Conversation("order", messages, tools=TOOLS)
+    swapped = [{"id": f"call-{i}", "type": "function", "function": {"name": name, "arguments": '{"city": "Paris"}'}}
+               for i, name in enumerate(["get_date", "get_weather"])]
+    reason = conversation.divergence({"tool_calls": swapped, "finish_reason": "tool_calls"})
+    assert reason == ("tool_divergence: step 0: the model called ['get_date', 'get_weather'] where the "
+                      "recorded step calls ['get_weather', 'get_date']")
+    same = [dict(c, function=dict(c["function"])) for c in reversed(swapped)]
+    assert conversation.divergence({"tool_calls": same, "finish_reason": "tool_calls"}) is None

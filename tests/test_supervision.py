@@ -398,3 +398,36 @@ def test_a_lease_read_while_it_is_renewed_still_counts(tmp_path):
         assert [(entry["name"], entry["demand"]) for entry in live_leases(layout)] == [("shard-00003", 0)]
         lease.renew(674)
         assert [(entry["name"], entry["demand"]) for entry in live_leases(layout)] == [("shard-00003", 674)]
+
+
+def test_a_lease_whose_holder_hangs_goes_stale_and_counts_again_once_it_renews(tmp_path):
+    """A holder that stops renewing keeps its lock (it is alive) but not the servers: past
+    STALE_AFTER_S its lease no longer counts as use, so the watchdog can stop idle servers."""
+    from regen.coordination import Lease, is_locked, live_leases
+    from regen.coordination.leases import STALE_AFTER_S
+    from regen.layout import RunLayout
+
+    layout = RunLayout(tmp_path / "ds")
+    with Lease(layout, "shard-00002", "run", demand=5) as lease:
+        assert [e["name"] for e in live_leases(layout)] == ["shard-00002"]
+        hung_since = time.time() - STALE_AFTER_S - 1
+        os.utime(lease.path, (hung_since, hung_since))  # its last renewal, a minute ago
+        assert is_locked(lease.path)  # the holder is alive ...
+        assert live_leases(layout) == []  # ... and its lease no longer counts
+        lease.renew()
+        assert [e["name"] for e in live_leases(layout)] == ["shard-00002"]
+
+
+def test_an_approval_hold_past_its_deadline_no_longer_keeps_the_servers(tmp_path):
+    from regen.coordination import approval_pending, end_approval_hold, hold_for_approval
+    from regen.layout import RunLayout
+
+    layout = RunLayout(tmp_path / "ds")
+    assert not approval_pending(layout)
+    hold_for_approval(layout, "dag/run-1", hold_s=3600)
+    assert approval_pending(layout)
+    hold_for_approval(layout, "dag/run-1", hold_s=-1)  # nobody answered within the hold
+    assert not approval_pending(layout)
+    hold_for_approval(layout, "dag/run-1", hold_s=3600)
+    end_approval_hold(layout)
+    assert not approval_pending(layout) and not layout.approval_hold.exists()

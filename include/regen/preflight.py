@@ -380,8 +380,12 @@ def run_preflight(cfg: RunConfig, code: bool = True, max_map_length: int | None 
                   scope: str = "all", dag_nodes: list[str] | None = None,
                   dag_queue: str | None = None) -> PreflightReport:
     """``scope``: "all" (a one-node run), "run" (what every node shares: config, prompts,
-    output) or "node" (what each node has: code, engine, model, staging space, ports)."""
+    output) or "node" (what each node has: code, engine, model, staging space, ports). A shard
+    count left empty is the fleet's, as :func:`check` records it."""
+    from regen.servers.gpus import fleet_size
+
     started = time.monotonic()
+    cfg = cfg.with_num_shards(fleet_size(cfg))
     report = PreflightReport()
     if code:
         report.problems.extend(check_code())
