@@ -150,3 +150,29 @@ def test_preflight_asks_the_installed_vllm_for_its_names(make_config):
     check_engine(make_config(engine="vllm", engine_python=str(VLLM_PYTHON), extra_server_args=["--no-such-flag"]), flag)
     assert len(flag.problems) == 1 and "--no-such-flag" in flag.problems[0]
     assert flag.problems[0].startswith(f"the launch command is refused by vllm 0.32.0 at {VLLM_PYTHON}: ")
+
+
+FLAGS = """
+import argparse, json, sys
+if sys.argv[1] == "sglang":
+    from sglang.srt.server_args import ServerArgs
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+else:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    parser = make_arg_parser(FlexibleArgumentParser())
+print(json.dumps(sorted({s for a in parser._actions for s in a.option_strings})))
+"""
+
+
+def test_the_tuning_flags_a_run_may_add_are_the_engines_own():
+    """The allow-lists of flags a triggered run may add drift from the engines unless the engines
+    read them: every one must be an option of SGLang 0.5.23's and vLLM 0.32's own parsers."""
+    from regen.engines import engine
+
+    for name, python in (("sglang", SGLANG_PYTHON), ("vllm", VLLM_PYTHON)):
+        out = subprocess.run([str(python), "-c", FLAGS, name], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        options = set(json.loads(out.stdout.strip().splitlines()[-1]))
+        assert sorted(engine(name).run_flags - options) == [], name

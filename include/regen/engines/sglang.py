@@ -30,11 +30,11 @@ class SGLang(Engine):
     run_flags = frozenset({
         "--mem-fraction-static", "--max-running-requests", "--max-total-tokens", "--max-prefill-tokens",
         "--chunked-prefill-size", "--context-length", "--schedule-policy", "--schedule-conservativeness",
-        "--cuda-graph-max-bs", "--cuda-graph-bs", "--disable-cuda-graph", "--disable-radix-cache", "--enable-cache-report",
+        "--cuda-graph-max-bs-decode", "--cuda-graph-bs-decode", "--disable-cuda-graph", "--disable-radix-cache", "--enable-cache-report",
         "--enable-mixed-chunk", "--enable-dp-attention", "--attention-backend", "--sampling-backend",
         "--kv-cache-dtype", "--stream-interval", "--random-seed", "--log-level", "--watchdog-timeout",
         "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",
-        "--max-mamba-cache-size"})
+        "--max-mamba-cache-size", "--mamba-ssm-dtype", "--mamba-full-memory-ratio"})
     info_paths = ("/server_info", "/get_server_info")
     metric_prefix = "sglang"
     metric_names = {"num_running_reqs": "running", "num_queue_reqs": "queued",

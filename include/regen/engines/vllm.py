@@ -35,7 +35,7 @@ class VLLM(Engine):
     run_flags = frozenset({
         "--gpu-memory-utilization", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
         "--enforce-eager", "--enable-chunked-prefill", "--no-enable-chunked-prefill", "--enable-prefix-caching",
-        "--no-enable-prefix-caching", "--kv-cache-dtype", "--block-size", "--swap-space", "--seed",
+        "--no-enable-prefix-caching", "--kv-cache-dtype", "--block-size", "--seed",
         "--dtype", "--max-logprobs", "--uvicorn-log-level"})
     ignored_options = ("speculative_eagle_topk", "speculative_num_draft_tokens", "max_mamba_cache_size")
     # vLLM's reasoning parser fills `reasoning`; older releases `reasoning_content`.
