@@ -196,3 +196,26 @@ def test_the_run_page_and_every_task_read_the_deployment_as_its_files_say_now(de
         triggered_config("regenerate_chat", {"output": str(tmp_path / "datasets" / "code")})
     with pytest.raises(NotRegenDag):
         triggered_config("regenerate_dataset", {})
+
+
+def test_a_run_may_not_inject_faults_nor_keep_servers_up_longer_than_the_deployment(deployment):
+    for fault in (["--sim-orphan-child"], ["--sim-hang-rate", "1"], ["--sim-ignore-thinking"],
+                  ["--sim-startup-delay=600"], ["--sim-fail-while", "/tmp/x"]):
+        message = refusals(deployment, {"extra_server_args": fault})
+        assert f"extra_server_args: {fault[0].split('=')[0]} may not be added" in message
+    assert triggered_run_config(deployment, WHERE, {"extra_server_args": ["--sim-reasoning-median", "50"]})
+    ceiling = deployment.servers.idle_shutdown_s
+    for asked in (None, ceiling * 10):
+        assert "idle_shutdown_s: a triggered run's servers stop after at most" in refusals(
+            deployment, {"idle_shutdown_s": asked})
+    assert triggered_run_config(deployment, WHERE, {"idle_shutdown_s": ceiling / 2}).servers.idle_shutdown_s == ceiling / 2
+
+
+def test_a_runs_output_is_never_inside_another_dataset(deployment, tmp_path):
+    root = tmp_path / "datasets"
+    mine = root / "mine"
+    (mine / "work").mkdir(parents=True)
+    (mine / "work" / "manifest.json").write_text("{}")
+    for inside in (mine / "data", mine / "data" / "x", mine / "sub"):
+        assert f"inside the dataset {mine}" in refusals(deployment, {"output": str(inside)})
+    assert triggered_run_config(deployment, WHERE, {"output": str(root / "theirs")})

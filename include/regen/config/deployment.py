@@ -44,6 +44,18 @@ def _flags(args: Iterable[str]) -> set[str]:
     return {arg.split("=", 1)[0] for arg in args if _FLAG.match(arg)}
 
 
+def _folders_between(root: str, path: str) -> list[str]:
+    """The folders from just under ``root`` down to ``path``'s parent."""
+    parts = os.path.relpath(path, root).split(os.sep)[:-1]
+    return [os.path.join(root, *parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def _is_dataset(folder: str) -> bool:
+    """A regen output: its manifest, or its published data next to its work folder."""
+    return os.path.isfile(os.path.join(folder, "work", "manifest.json")) or (
+        os.path.isdir(os.path.join(folder, "data")) and os.path.isdir(os.path.join(folder, "work")))
+
+
 def triggered_run_config(deployment: RunConfig, where: str, conf: Mapping[str, Any] | None,
                          other_outputs: Mapping[str, str] | None = None) -> RunConfig:
     """The config a run triggered with ``conf`` runs with: the deployment's values, the conf's
@@ -79,11 +91,20 @@ def triggered_run_config(deployment: RunConfig, where: str, conf: Mapping[str, A
         problems.append(f"extra_server_args: {', '.join(refused)} may not be added by a triggered run (it may add "
                         f"tuning flags of {requested.engine}: {', '.join(sorted(engine(requested.engine).run_flags))}; "
                         f"anything else is the deployment's, in {where})")
+    idle, ceiling = requested.servers.idle_shutdown_s, deployment.servers.idle_shutdown_s
+    if ceiling is not None and (idle is None or idle > ceiling):
+        problems.append(f"idle_shutdown_s: a triggered run's servers stop after at most the deployment's "
+                        f"{ceiling:g} s idle ({where}); its conf asks for {'never' if idle is None else f'{idle:g} s'}")
     root = os.path.realpath(output_root(deployment))
     out = os.path.realpath(requested.output)
     if out == root or not _inside(out, root):
         problems.append(f"output {requested.output}: a triggered run writes in a folder under the deployment's "
                         f"output root {root} (output_root, or the folder of output, in {where})")
+    else:
+        holder = next((folder for folder in _folders_between(root, out) if _is_dataset(folder)), None)
+        if holder is not None:
+            problems.append(f"output {requested.output}: inside the dataset {holder}; a run's output is a folder "
+                            f"of its own, never inside another output (its data/ would mix two runs)")
     for dag_id, other in (other_outputs or {}).items():
         other = os.path.realpath(other)
         if _inside(out, other) or _inside(other, out):

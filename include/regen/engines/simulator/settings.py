@@ -18,8 +18,10 @@ READS_JSON_CALLS = {"qwen25": True, "hermes": True, "qwen3_coder": False}
 
 
 def _flag(name: str, help: str = "", default: Any = None, names_a_file: bool = False,
-          choices: list[str] | None = None) -> Any:
-    return field(default=default, metadata={"flag": name, "help": help, "file": names_a_file, "choices": choices})
+          choices: list[str] | None = None, fault: bool = False) -> Any:
+    """``fault``: a knob that breaks the server on purpose (the deployment's, never a run's)."""
+    return field(default=default, metadata={"flag": name, "help": help, "file": names_a_file, "choices": choices,
+                                            "fault": fault})
 
 
 @dataclass
@@ -60,29 +62,30 @@ class SimSettings:
     length_sigma: float = _flag("--sim-length-sigma", "spread of trace lengths around the median (log-normal "
                                 "sigma; 0.77 puts the 99th percentile at 6x the median, as reasoning traces "
                                 "are)", 0.0)
-    failure_rate: float = _flag("--sim-failure-rate", "fraction of requests answered with HTTP 500", 0.0)
-    hang_rate: float = _flag("--sim-hang-rate", "fraction of requests that never answer", 0.0)
+    failure_rate: float = _flag("--sim-failure-rate", "fraction of requests answered with HTTP 500", 0.0, fault=True)
+    hang_rate: float = _flag("--sim-hang-rate", "fraction of requests that never answer", 0.0, fault=True)
     tool_divergence: float = _flag("--sim-tool-divergence", "fraction of tool-calling steps that call another "
                                    "tool of the request than the prompt asks for (or none), per prompt", 0.0)
     ignore_thinking: bool = _flag("--sim-ignore-thinking", "answer like a server launched with "
-                                  "thinking off", False)
+                                  "thinking off", False, fault=True)
     ignore_thinking_after: int | None = _flag(
         "--sim-ignore-thinking-after", "think for the first N requests, then ignore enable_thinking "
-        "(a server relaunched mid-run with the wrong flags)")
-    startup_delay_s: float = _flag("--sim-startup-delay", "seconds before /health answers 200", 0.0)
+        "(a server relaunched mid-run with the wrong flags)", fault=True)
+    startup_delay_s: float = _flag("--sim-startup-delay", "seconds before /health answers 200", 0.0, fault=True)
     fail_while: str | None = _flag("--sim-fail-while", f"while FILE exists, answer HTTP 500 to prompts "
-                                   f"containing {FAULT_MARKER!r} (a fault that goes away)", names_a_file=True)
+                                   f"containing {FAULT_MARKER!r} (a fault that goes away)", names_a_file=True, fault=True)
     request_log: str | None = _flag("--sim-request-log", "append every chat request's messages to "
                                     "FILE (JSON lines; {port} in it becomes the server's port)", names_a_file=True)
     orphan_child: bool = _flag("--sim-orphan-child", "leave a child that ignores SIGTERM and outlives "
                                "the server, as SGLang's scheduler children have been seen to do "
-                               "(issues 23627, 15165)", False)
+                               "(issues 23627, 15165)", False, fault=True)
 
     @classmethod
     def run_flags(cls) -> frozenset[str]:
-        """The simulator's own knobs that name no file (a triggered run may set these)."""
-        return frozenset(f.metadata["flag"] for f in fields(cls)
-                         if f.metadata["flag"].startswith("--sim-") and not f.metadata["file"])
+        """The simulator's own knobs that name no file and inject no fault (a triggered run may
+        set these)."""
+        return frozenset(f.metadata["flag"] for f in fields(cls) if f.metadata["flag"].startswith("--sim-")
+                         and not f.metadata["file"] and not f.metadata["fault"])
 
     @property
     def served_name(self) -> str:
