@@ -109,3 +109,15 @@ def test_a_malformed_notifier_setting_is_named(monkeypatch):
     monkeypatch.setenv("REGEN_NOTIFIERS", "{not json")
     with pytest.raises(ValueError, match="REGEN_NOTIFIERS"):
         send("audit", "failed")
+
+
+def test_an_alert_carries_the_whole_reason_not_its_first_line():
+    from regen.alerts import REASON_MAX_CHARS, failure_reason
+    from regen.preflight import PreflightFailed
+
+    problems = ["max_tokens: 400000 is beyond the model's context length 262144",
+                "prompts /data/p.jsonl:17: not valid JSON"]
+    reason = failure_reason(PreflightFailed(problems))
+    assert all(problem in reason for problem in problems), reason
+    flood = failure_reason(RuntimeError("x" * (REASON_MAX_CHARS * 3)))
+    assert len(flood) < REASON_MAX_CHARS + 100 and flood.endswith("more characters in the task log)")

@@ -83,11 +83,18 @@ def wait_for_deliveries() -> None:
     _deliveries = ThreadPoolExecutor(max_workers=2, thread_name_prefix="regen-alert")
 
 
+REASON_MAX_CHARS = 4000  # a preflight listing many problems fits; a runaway message does not flood chat
+
+
 def failure_reason(exception: BaseException | None) -> str:
+    """The whole reason (a preflight failure lists every problem, one per line: the first line
+    alone says only how many), cut at REASON_MAX_CHARS with a note saying so."""
     if exception is None:
         return "failed"
-    text = str(exception).strip().splitlines()
-    return f"failed: {type(exception).__name__}: {text[0] if text else ''}"[:1000]
+    text = f"failed: {type(exception).__name__}: {str(exception).strip()}"
+    if len(text) > REASON_MAX_CHARS:
+        text = text[:REASON_MAX_CHARS] + f" ... ({len(text) - REASON_MAX_CHARS:,} more characters in the task log)"
+    return text
 
 
 def check_overdue(output: RunLayout | str | Path) -> dict | None:
