@@ -306,3 +306,18 @@ def test_a_conversations_turns_stay_on_one_server_while_the_servers_are_balanced
         cached = [line for line in httpx.get(f"{r.url}/metrics").text.splitlines()
                   if line.startswith("sglang:cached_tokens_total")]
         assert float(cached[0].rsplit(" ", 1)[1]) > 0
+
+
+def test_half_written_shard_files_of_a_killed_publish_are_removed_by_the_next_attempt(sim_servers, tmp_path):
+    from regen.layout import RunLayout
+
+    cfg, records = sim_servers(num_servers=1)
+    out = tmp_path / "ds"
+    generate_shard(PROMPTS, out, endpoints(records))
+    store = ShardStore(RunLayout(out), 0, 1)
+    orphan = store.journal_path.parent / f".{store.final.name}.k1ll3d.tmp"
+    orphan.write_bytes(b"PAR1 half a file")
+    other = store.journal_path.parent / ".something-else.tmp"  # not this shard's: left alone
+    other.write_bytes(b"x")
+    assert generate_shard(PROMPTS, out, endpoints(records)).done == 0  # up to date
+    assert not orphan.exists() and other.exists()

@@ -113,9 +113,17 @@ class ShardStore:
             raise ShardFailed(f"{self.name} is being generated right now by {held} ({path}); "
                               f"retry once it has stopped") from None
         try:
+            self._remove_orphan_temporaries()
             yield
         finally:
             lock.release()
+
+    def _remove_orphan_temporaries(self) -> None:
+        """Half-written shard files an attempt killed while publishing left (atomic_path's names);
+        only the lock holder publishes this shard, so none of them is being written."""
+        for orphan in self.journal_path.parent.glob(f".{self.final.name}.*.tmp"):
+            orphan.unlink(missing_ok=True)
+            log.info("%s: removed %s, left by an attempt killed while it published", self.name, orphan.name)
 
     def settled(self, hashes: dict[str, str], settings_hash: str) -> tuple[set[str], set[str]]:
         """(ids that need no new request, ids the shard file holds now). A row settles its id when
