@@ -120,7 +120,7 @@ def approval_gate(params=None) -> str:
 APPROVAL_BODY = """The canary of **{{ dag_run.dag_id }}** passed: {{ ti.xcom_pull(task_ids='canary')['estimate']['text'] }}.
 
 {% for e in ti.xcom_pull(task_ids='canary')['examples'] %}
-**{{ e.id }}** ({{ e.turns }} turn(s))
+**{{ e.id | markdown_literal }}** ({{ e.turns }} turn(s))
 
 > reasoning: {{ e.reasoning_content | markdown_literal }}
 >

