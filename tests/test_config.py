@@ -58,7 +58,7 @@ def test_every_error_is_listed_not_just_the_first():
 def test_yaml_errors_name_the_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("max_tokens: [1,\n")
-    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+    with pytest.raises(ConfigError, match=r"bad.yaml:2:1: not valid YAML"):
         RunConfig.load(bad)
     with pytest.raises(ConfigError, match="no such config file"):
         RunConfig.load(tmp_path / "missing.yaml")
@@ -91,3 +91,21 @@ def test_cli_flags_override_the_yaml_with_the_same_names():
     assert cfg.servers.extra_server_args == ["--tp-size", "2"]
     assert cfg.engine_options.speculative_algorithm == "NEXTN"
     assert cfg.num_shards == 4  # from the YAML
+
+
+def test_a_broken_config_file_never_repeats_a_value_that_may_be_the_key(tmp_path):
+    """Import Errors show a broken deployment file's message to every viewer."""
+    from regen.config.fields import ConfigError
+    from regen.config.run import RunConfig, read_config_file
+
+    secret = "sk-" + "s" * 40
+    misspelt = tmp_path / "misspelt.yaml"
+    misspelt.write_text(f"api_kye: {secret}\n")
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_mapping(read_config_file(misspelt), source=str(misspelt))
+    assert "api_kye" in str(err.value) and secret not in str(err.value)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(f"engine: sim\napi_key: {secret}: [\n")
+    with pytest.raises(ConfigError) as err:
+        read_config_file(broken)
+    assert f"{broken}:2:" in str(err.value) and secret not in str(err.value)

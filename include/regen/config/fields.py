@@ -116,7 +116,9 @@ def format_validation_error(model: type[BaseModel], exc: ValidationError, source
     for err in exc.errors():
         field = flat_location(model, err["loc"])
         msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
-        shown = "" if field.split(".")[0] in secrets or not err["loc"] else f" (got {err.get('input')!r})"
+        # An unknown field may be the key under a misspelt name: its value is never shown either.
+        hidden = field.split(".")[0] in secrets or not err["loc"] or err["type"] == "extra_forbidden"
+        shown = "" if hidden else f" (got {err.get('input')!r})"
         lines.append(f"{source}: field '{field}': {msg}{shown}")
     text = "\n".join(lines)
     for value in _secret_values(exc, secrets):

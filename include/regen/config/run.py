@@ -312,8 +312,11 @@ def read_config_file(path: Path) -> dict[str, Any]:
         loaded = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except yaml.YAMLError as exc:  # its position and problem, never the line itself (it may hold the key)
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        said = " ".join(str(part) for part in (getattr(exc, "context", None), getattr(exc, "problem", None)) if part)
+        raise ConfigError(f"{where}: not valid YAML: {said or type(exc).__name__}") from None
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"{path}: must be a mapping of field: value")
     return dict(loaded or {})
