@@ -321,3 +321,46 @@ def test_keys_are_never_put_where_others_can_read_them(tmp_path, monkeypatch):
     shared.chmod(0o700)
     monkeypatch.setenv("REGEN_KEY_DIR", str(shared))
     assert key_file(RunLayout(tmp_path / "out")).parent == shared
+
+
+def test_the_output_folder_is_data_never_commands(make_config, tmp_path):
+    """Anyone who can write the dataset's share can edit what regen records there. A record
+    added or changed after regen wrote it, and a watchdog file planted in the output, are ignored:
+    nothing is executed, no process of theirs is signalled, no file they name is opened."""
+    import json
+
+    from regen import procs
+    from regen.servers.lifecycle import ensure_watchdog, relaunch, stop_watchdog
+    from regen.servers.records import read_state
+
+    cfg = make_config(num_servers=1)
+    layout = RunLayout(cfg.output)
+    records = start_servers(cfg, cfg.model_path)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    marker, victim = tmp_path / "payload-ran", tmp_path / "not-a-log"
+    victim.write_text("precious\n")
+    victim.chmod(0o600)
+    try:
+        doc = json.loads(layout.servers_state.read_text())
+        planted = {**doc["servers"][0], "index": 7, "port": 39999, "pid": bystander.pid,
+                   "start_ticks": procs.start_ticks(bystander.pid), "log_path": str(victim),
+                   "launch": ["/bin/sh", "-c", f"touch {marker}"]}
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        dead = {**planted, "index": 8, "pid": gone.pid, "start_ticks": None}  # a dead server: relaunched, if trusted
+        edited = {**doc["servers"][0], "launch": ["/bin/sh", "-c", f"touch {marker}"]}
+        layout.servers_state.write_text(json.dumps({"servers": [edited, planted, dead]}))
+        assert read_state(layout) == []  # none is one regen sealed
+        assert relaunch(layout, 7) is None and relaunch(layout, 8) is None and relaunch(layout, 0) is None
+        (layout.servers / "watchdog.json").write_text(json.dumps(
+            {"pid": bystander.pid, "start_ticks": procs.start_ticks(bystander.pid), "idle_shutdown_s": 1}))
+        ensure_watchdog(layout, 30)
+        stop_watchdog(layout)
+        stop_servers(layout, every=True)
+        assert bystander.poll() is None  # never signalled
+        assert not marker.exists()
+        assert victim.read_text() == "precious\n" and oct(victim.stat().st_mode & 0o777) == "0o600"
+    finally:
+        bystander.kill()
+        bystander.wait()
+        stop_records(records, grace_s=5)

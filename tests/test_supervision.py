@@ -223,7 +223,9 @@ def test_leases_and_slots_work_where_exclusive_locks_need_a_writable_descriptor(
         assert out.returncode == 0, out.stderr[-3000:]
     df = pd.read_parquet(Path(cfg.output) / "data")
     assert len(df) == len(read_ids(cfg.prompts)) and df["error"].isna().all()
-    watchdog = json.loads(layout.watchdog_state.read_text())
+    from regen.servers.records import watchdog_file
+
+    watchdog = json.loads(watchdog_file(layout).read_text())
     assert os.path.exists(f"/proc/{watchdog['pid']}")
     log = layout.watchdog_log.read_text()
     assert "Traceback" not in log and "cannot be tested" not in log and "cannot be opened" not in log

@@ -200,10 +200,6 @@ class RunLayout:
         return self.servers / "watchdog.log"
 
     @property
-    def watchdog_state(self) -> Path:
-        return self.servers / "watchdog.json"
-
-    @property
     def progress_parts(self) -> Path:
         return self.work / "progress"
 

@@ -35,7 +35,7 @@ from regen.machine import node_name
 from regen.manifest import Manifest, model_fingerprint
 from regen.results import PlannedServer, ServerLogs, ServerPlan, ServersStopped, ServersUp
 from regen.servers.gpus import server_devices
-from regen.servers.records import ServerRecord, read_state, write_state
+from regen.servers.records import ServerRecord, read_state, watchdog_file, write_state
 
 log = logging.getLogger("regen.servers")
 
@@ -192,7 +192,7 @@ def relaunch(layout: RunLayout, index: int) -> ServerRecord | None:
 
 def ensure_watchdog(layout: RunLayout, idle_shutdown_s: float | None) -> None:
     """One watchdog (regen.servers.watchdog) per output's servers, with this idle shutdown."""
-    current = read_json(layout.watchdog_state) or {}
+    current = read_json(watchdog_file(layout)) or {}
     if procs.is_running(current.get("pid", 0), current.get("start_ticks")):
         if current.get("idle_shutdown_s") == idle_shutdown_s:
             return
@@ -203,15 +203,16 @@ def ensure_watchdog(layout: RunLayout, idle_shutdown_s: float | None) -> None:
     if idle_shutdown_s:
         argv += ["--idle-shutdown-s", str(idle_shutdown_s)]
     proc = procs.spawn(argv, layout.watchdog_log, dict(os.environ), layout.servers)
-    atomic_write_json(layout.watchdog_state, {"pid": proc.pid, "start_ticks": procs.start_ticks(proc.pid),
-                                               "idle_shutdown_s": idle_shutdown_s})
+    atomic_write_json(watchdog_file(layout), {"pid": proc.pid, "start_ticks": procs.start_ticks(proc.pid),
+                                              "idle_shutdown_s": idle_shutdown_s}, private=True)
 
 
 def stop_watchdog(layout: RunLayout) -> None:
-    current = read_json(layout.watchdog_state) or {}
+    path = watchdog_file(layout)
+    current = read_json(path) or {}
     if current.get("pid") and current.get("pid") != os.getpid():
         procs.stop_sessions([(current["pid"], current.get("start_ticks"), "watchdog")], grace_s=5)
-    layout.watchdog_state.unlink(missing_ok=True)
+    path.unlink(missing_ok=True)
 
 
 def _launch(cfg: RunConfig, layout: RunLayout, model_path: str, fingerprint: str | None, run_id: str,

@@ -4,12 +4,18 @@ Every later task and every re-run reads the node's servers from here: the node a
 on, the run that owns it, its process (PID and start time), its launch arguments (with the key
 replaced by a placeholder) and the model it serves. The keys are kept outside the output
 directory (an output is shared, copied and archived), in an owner-only folder of the node's user.
+
+The output is data, never commands: anyone who can write the dataset's share could edit
+``servers.json``, so each record of this node is sealed by its digest in that private folder,
+and a record whose seal does not match (planted, or edited since) is ignored: never relaunched,
+signalled or opened. The watchdog's own state lives there too, never in the output.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import stat
 from dataclasses import asdict, dataclass, fields
@@ -22,6 +28,7 @@ from regen.files import atomic_write_json
 from regen.layout import RunLayout
 from regen.machine import node_name
 
+log = logging.getLogger("regen.servers")
 
 @dataclass
 class ServerRecord:
@@ -66,19 +73,32 @@ class ServerRecord:
                 "model": self.served_model, "model_fingerprint": self.model_fingerprint}
 
 
+def _seal(item: dict) -> str:
+    return hashlib.sha256(json.dumps(item, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def read_state(layout: RunLayout) -> list[ServerRecord]:
-    """The recorded servers; none once the last stop removed the record (even while we read)."""
+    """The recorded servers; none once the last stop removed the record (even while we read).
+    A record of this node whose seal does not match is left out, with a warning."""
     try:
         servers = json.loads(layout.servers_state.read_text())["servers"]
     except FileNotFoundError:
         return []
     known = {f.name for f in fields(ServerRecord)}
     try:
-        keys = json.loads(key_file(layout).read_text())["keys"]
+        private = json.loads(key_file(layout).read_text())
     except FileNotFoundError:
-        keys = {}
-    return [ServerRecord(**{k: v for k, v in item.items() if k in known} | {"api_key": keys.get(str(item["index"]))})
-            for item in servers]
+        private = {}
+    keys, seals = private.get("keys", {}), private.get("seals", {})
+    records = []
+    for item in servers:
+        record = ServerRecord(**{k: v for k, v in item.items() if k in known} | {"api_key": keys.get(str(item["index"]))})
+        if record.is_here() and seals.get(str(record.index)) != _seal(item):
+            log.warning("server record %s in %s was not written by regen on this node (or was changed since): "
+                        "ignored, nothing of it is run, signalled or opened", item.get("index"), layout.servers_state)
+            continue
+        records.append(record)
+    return records
 
 
 class KeyDirError(RegenError):
@@ -107,5 +127,14 @@ def write_state(layout: RunLayout, records: Sequence[ServerRecord]) -> None:
         path.unlink(missing_ok=True)
         keys.unlink(missing_ok=True)
         return
-    atomic_write_json(keys, {"keys": {str(r.index): r.api_key for r in records}}, private=True)
-    atomic_write_json(path, {"servers": [{**asdict(r), "api_key": None} for r in records]}, private=True)
+    items = [{**asdict(r), "api_key": None} for r in records]
+    atomic_write_json(keys, {"keys": {str(r.index): r.api_key for r in records},
+                             "seals": {str(r.index): _seal(item) for r, item in zip(records, items)}}, private=True)
+    atomic_write_json(path, {"servers": items}, private=True)
+
+
+def watchdog_file(layout: RunLayout) -> Path:
+    """The watchdog's process (PID, start time, idle shutdown), in the private folder beside the
+    keys: a PID read from the output could name any process of this user's to signal."""
+    keys = key_file(layout)
+    return keys.with_name(keys.stem + ".watchdog.json")
