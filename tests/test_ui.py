@@ -112,3 +112,30 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
     assert created.status_code == 200, created.text
     other = httpx.get(f"{base}/regen/runs/not_regen/{created.json()['dag_run_id']}/data", headers=headers)
     assert other.status_code == 404 and "not a regen DAG" in other.text
+
+
+def test_the_run_pages_data_reads_no_file_through_a_symlink_and_within_bounds(tmp_path):
+    """A viewer polls /data: progress.json linked to a secret, history.jsonl linked to
+    /dev/zero, a huge history: the page answers at once with what is the run's own, bounded."""
+    import time
+
+    from regen.layout import RunLayout
+    from regen.status import HISTORY_MAX_BYTES, run_data
+
+    secret = tmp_path / "passwords.json"
+    secret.write_text('{"admin": "hunter2"}')
+    layout = RunLayout(tmp_path / "out")
+    layout.history.parent.mkdir(parents=True)
+    layout.progress_file.symlink_to(secret)
+    layout.history.symlink_to("/dev/zero")
+    started = time.monotonic()
+    data = run_data(layout)
+    assert data["progress"] == {} and data["history"] == [] and "hunter2" not in str(data)
+    layout.history.unlink()
+    with layout.history.open("w") as fh:  # more history than a poll reads: its last lines
+        for t in range(200_000):
+            fh.write(f'{{"t": {t}, "tokens_per_s": 1.0}}\n')
+    assert layout.history.stat().st_size > HISTORY_MAX_BYTES
+    points = run_data(layout)["history"]
+    assert points[-1]["t"] == 199_999 and len(points) == 2000
+    assert time.monotonic() - started < 5

@@ -82,14 +82,42 @@ def read_json(path: Path) -> Any:
         return None
 
 
-def read_json_lines(path: Path, last: int | None = None) -> list[Any]:
-    """The JSON lines of a file (its ``last`` ones), skipping any line that does not parse: a
-    writer killed mid-line leaves a cut line (cut inside a UTF-8 character, too), which must
-    not hide the others."""
+def read_in_folder(root: Path, path: Path, max_bytes: int, tail: bool = False) -> bytes:
+    """At most ``max_bytes`` of ``path`` (its last ones with ``tail``), read only when neither
+    it nor a folder between ``root`` and it is a symlink, and it is a regular file: the output
+    is a folder anyone with the dataset's share may write, and a link there must not make a
+    reader (the API server, for a viewer) open another file, nor a device grow the read for ever.
+    PermissionError names what was refused; FileNotFoundError as usual."""
+    import stat
+
+    root = os.path.abspath(root)
+    part = root
+    for name in os.path.relpath(os.path.abspath(path), root).split(os.sep)[:-1]:
+        part = os.path.join(part, name)
+        if os.path.islink(part):
+            raise PermissionError(f"{part} is a symlink: not read")
     try:
-        lines = Path(path).read_text(errors="replace").splitlines()
-    except OSError:
-        return []
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == 40:  # ELOOP: the file itself is a symlink
+            raise PermissionError(f"{path} is a symlink: not read") from None
+        raise
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise PermissionError(f"{path} is not a regular file: not read")
+        if tail and st.st_size > max_bytes:
+            fh.seek(st.st_size - max_bytes)
+        return fh.read(max_bytes)
+
+
+def json_lines(data: bytes, last: int | None = None, cut_first: bool = False) -> list[Any]:
+    """The JSON lines of ``data`` (its ``last`` ones), skipping any line that does not parse: a
+    writer killed mid-line leaves a cut line (cut inside a UTF-8 character, too), which must
+    not hide the others. ``cut_first``: the data starts mid-file, so its first line is a part."""
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    if cut_first:
+        lines = lines[1:]
     out = []
     for line in lines[-last:] if last else lines:
         try:

@@ -3,22 +3,42 @@ the audit's summary, and each node's part (what the run page and `regen progress
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from regen.config import RunConfig
-from regen.files import read_json, read_json_lines
+from regen.files import json_lines, read_in_folder
 from regen.layout import RunLayout
 from regen.results import RunStatus
 from regen.servers.records import read_state
 
 HISTORY_POINTS = 2000
+# What one poll of the run page reads at most, per file: a progress document of thousands of
+# shards fits; a planted link to a device or a huge file costs no more than this.
+DOCUMENT_MAX_BYTES = 16 * 2**20
+HISTORY_MAX_BYTES = 2 * 2**20  # the history's last lines: HISTORY_POINTS of them fit
+
+
+def _document(layout: RunLayout, path: Path) -> Any:
+    """A JSON document of the output, read without following links and within bounds; None
+    when it is missing, refused or not (yet) whole."""
+    try:
+        return json.loads(read_in_folder(layout.root, path, DOCUMENT_MAX_BYTES))
+    except (OSError, ValueError):
+        return None
 
 
 def run_data(layout: RunLayout) -> dict:
     """What the run page shows: progress, the throughput history and the audit's summary."""
-    return {"output": str(layout.root), "progress": read_json(layout.progress_file) or {},
-            "history": read_json_lines(layout.history, last=HISTORY_POINTS),
-            "audit": read_json(layout.audit.summary_json)}
+    try:
+        history = read_in_folder(layout.root, layout.history, HISTORY_MAX_BYTES, tail=True)
+        cut = len(history) == HISTORY_MAX_BYTES
+    except OSError:
+        history, cut = b"", False
+    return {"output": str(layout.root), "progress": _document(layout, layout.progress_file) or {},
+            "history": json_lines(history, last=HISTORY_POINTS, cut_first=cut),
+            "audit": _document(layout, layout.audit.summary_json)}
 
 
 def node_view(cfg: RunConfig, progress: dict) -> list[dict[str, Any]]:

@@ -51,25 +51,14 @@ def config_data(cfg: RunConfig, deadline_s: float = STATUS_DEADLINE_S) -> dict:
     return data
 
 
-def read_report(cfg: RunConfig) -> str:
-    """The run's report.html, read only when neither it nor a folder on its way from the output
-    directory is a symlink (the output is a path the run's conf chose: a link there must not make
-    the API server read another file)."""
-    import os
-    import stat
+REPORT_MAX_BYTES = 64 * 2**20
 
-    root = os.path.abspath(cfg.output)
-    path = cfg.layout.audit.report_html
-    part = root
-    for name in os.path.relpath(path, root).split(os.sep)[:-1]:
-        part = os.path.join(part, name)
-        if os.path.islink(part):
-            raise PermissionError(f"{part} is a symlink: the report is not served")
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # ELOOP on a symlink
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-            raise PermissionError(f"{path} is not a regular file")
-        return fh.read().decode("utf-8", "replace")
+
+def read_report(cfg: RunConfig) -> str:
+    """The run's report.html, read through no symlink and within bounds (regen.files)."""
+    from regen.files import read_in_folder
+
+    return read_in_folder(cfg.output, cfg.layout.audit.report_html, REPORT_MAX_BYTES).decode("utf-8", "replace")
 
 
 def create_app():
