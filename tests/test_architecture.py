@@ -13,7 +13,7 @@ PACKAGE = ROOT / "include" / "regen"
 # Bottom to top: a module may import its own layer (without a cycle) and the layers below.
 # A module belongs to the longest prefix listed.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundations", ("regen.errors", "regen.units", "regen.childpool", "regen.machine", "regen.paths", "regen.files",
+    ("foundations", ("regen.errors", "regen.units", "regen.childpool", "regen.modelconfig", "regen.machine", "regen.paths", "regen.files",
                      "regen.procs", "regen.transport", "regen.logrelay", "regen.toolcalls", "regen.turns", "regen.prompts",
                      "regen.protocol", "regen.chat", "regen.engines.simulator.settings",
                      "regen.engines.simulator.text", "regen.engines.simulator.batching")),

@@ -182,3 +182,45 @@ def test_the_simulators_tool_call_parsers_answer_as_sglangs_own(sim_servers, tmp
         assert simulated == parsed[parser], parser
         assert bool(simulated["calls"]) == READS_JSON_CALLS[parser]
     assert parsed["qwen3_coder"] == {"content": "", "calls": []}
+
+
+CONTEXT_LENGTHS = """
+import ast, importlib.util, json, os, sys, types
+# The module imports vision packages this venv does not have: take SGLang's function and key list
+# from its installed source, as they are, and run them alone.
+spec = importlib.util.find_spec("sglang")
+path = os.path.join(os.path.dirname(spec.origin), "srt", "utils", "hf_transformers", "common.py")
+tree = ast.parse(open(path).read())
+wanted = [node for node in tree.body if getattr(node, "name", None) == "get_context_length"
+          or (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "CONTEXT_LENGTH_KEYS" for t in node.targets))]
+assert len(wanted) == 2, "SGLang's get_context_length or CONTEXT_LENGTH_KEYS moved"
+namespace = {}
+exec(compile(ast.Module(body=wanted, type_ignores=[]), path, "exec"), namespace)
+get_context_length = namespace["get_context_length"]
+out = []
+for config in json.loads(sys.stdin.read()):
+    text = config.get("text_config") or config  # what SGLang's hf_text_config is for these layouts
+    out.append(get_context_length(types.SimpleNamespace(**text)))
+print(json.dumps(out))
+"""
+
+
+def test_the_context_length_is_read_as_sglang_reads_it():
+    """preflight and the simulator take a model's context from its config as SGLang does: the
+    VL layout of Qwen3.5/3.6 (text_config), other key names, rope scaling."""
+    from regen.modelconfig import context_length
+
+    configs = [
+        {"max_position_embeddings": 40960},
+        {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {"max_position_embeddings": 262144}},
+        {"seq_length": 8192, "max_position_embeddings": 32768},
+        {"model_max_length": 4096},
+        {"max_position_embeddings": 32768, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+        {"max_position_embeddings": 131072,
+         "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768}},
+        {"max_position_embeddings": 8192, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+    ]
+    out = subprocess.run([str(SGLANG_PYTHON), "-c", CONTEXT_LENGTHS], input=json.dumps(configs),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [context_length(c) for c in configs] == json.loads(out.stdout.strip().splitlines()[-1])

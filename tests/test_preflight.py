@@ -161,6 +161,17 @@ def test_prompt_plus_max_tokens_over_the_context(make_config):
     assert "passes the context length 8192" in problems[0]
 
 
+def test_max_tokens_past_a_context_nested_in_text_config_is_refused(make_config, tiny_model, tmp_path):
+    """Qwen3.5/3.6 ship the vision-language layout: the context length sits under text_config."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "config.json").read_text())
+    text = {k: config.pop(k) for k in list(config) if k not in ("architectures", "model_type")}
+    (model / "config.json").write_text(json.dumps({**config, "text_config": text}))
+    problems = problems_for(make_config, model_path=str(model), max_tokens=400_000)
+    assert len(problems) == 1 and "passes the context length 8192" in problems[0], problems
+
+
 def test_too_little_space_for_output_and_staging(make_config, tmp_path):
     mount = tmp_path / "small"
     mount.mkdir()

@@ -23,6 +23,7 @@ from regen.config import RunConfig
 from regen.engines import engine
 from regen.errors import RegenError
 from regen.layout import parse_shard_file
+from regen.modelconfig import context_length
 from regen.paths import DAGS_DIR, PACKAGE_DIR
 from regen.results import PreflightResult, StagedModel
 from regen.stages import entry_modules
@@ -206,7 +207,7 @@ def check_model(cfg: RunConfig, report: PreflightReport) -> None:
         report.problems.append(f"model_path {model}/config.json: unreadable: {exc}")
         return
     report.info["model_bytes"] = sum(f.stat().st_size for f in model.rglob("*") if f.is_file())
-    context = cfg.engine_options.context_length or model_cfg.get("max_position_embeddings")
+    context = cfg.engine_options.context_length or context_length(model_cfg)
     if not (model / "tokenizer.json").is_file():
         report.problems.append(f"model_path {model}: no tokenizer.json (the audit needs a fast tokenizer)")
         return

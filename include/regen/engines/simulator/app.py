@@ -23,6 +23,7 @@ from regen.engines.simulator.batching import BatchScheduler, SimState
 from regen.engines.simulator.prefixcache import PrefixCache
 from regen.engines.simulator.settings import FAULT_MARKER, READS_JSON_CALLS, SimSettings, argument_parser, from_args
 from regen.engines.simulator.text import SimTokens, call_text, compose, count_prompt_tokens, message_tokens, plan_calls
+from regen.modelconfig import context_length
 from regen.protocol import ChatReply, chat_response, error_body, server_info
 
 
@@ -176,8 +177,9 @@ class SimServer:
 
 
 def model_context_length(model_path: str) -> int:
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
-    return int(cfg.get("max_position_embeddings") or 32768)
+    """As SGLang derives it (nested text_config, other key names, rope scaling); 32,768 when the
+    config names none."""
+    return context_length(json.loads((Path(model_path) / "config.json").read_text())) or 32768
 
 
 def main(argv: list[str] | None = None) -> int:
