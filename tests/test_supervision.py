@@ -433,3 +433,31 @@ def test_an_approval_hold_past_its_deadline_no_longer_keeps_the_servers(tmp_path
     hold_for_approval(layout, "dag/run-1", hold_s=3600)
     end_approval_hold(layout)
     assert not approval_pending(layout) and not layout.approval_hold.exists()
+
+
+def test_a_second_run_on_an_output_is_refused_at_preflight_naming_the_first(make_config):
+    """Two DAGs given one output: the second's preflight fails naming the run that holds it, and
+    nothing of the first is touched (its servers, its manifest); the first's teardown frees it,
+    and a holder of which nothing lives any more is taken over."""
+    from regen.coordination.owner import CLAIM_GRACE_S
+    from regen.files import atomic_write_json
+    from regen.preflight import PreflightFailed
+
+    cfg = make_config(num_servers=1)
+    layout = RunLayout(cfg.output)
+    run("preflight", cfg, code=False, run_id="regenerate_a/run-1")
+    records = start_servers(cfg, cfg.model_path, run_id="regenerate_a/run-1")
+    manifest = layout.manifest.read_bytes()
+    try:
+        with pytest.raises(PreflightFailed, match="held by run regenerate_a/run-1"):
+            run("preflight", cfg.model_copy(update={"max_tokens": 77}), code=False, run_id="regenerate_b/run-1")
+        assert [r.running() for r in read_state(layout)] == [True]
+        assert layout.manifest.read_bytes() == manifest
+        run("preflight", cfg, code=False, run_id="regenerate_a/run-1")  # its own retry: still its own
+        run("stop_servers", cfg, run_id="regenerate_a/run-1")  # the teardown releases the output
+        run("preflight", cfg, code=False, run_id="regenerate_b/run-1")
+        atomic_write_json(layout.owner, {"run_id": "regenerate_b/run-1", "since": time.time() - CLAIM_GRACE_S - 1})
+        run("preflight", cfg, code=False, run_id="regenerate_c/run-1")  # nothing of b lives: taken over
+        assert json.loads(layout.owner.read_text())["run_id"] == "regenerate_c/run-1"
+    finally:
+        stop_records(records, grace_s=5)

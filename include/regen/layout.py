@@ -129,6 +129,11 @@ class RunLayout:
         return self.root / "work"
 
     @property
+    def owner(self) -> Path:
+        """The run that holds the output (regen.coordination.owner)."""
+        return self.work / "owner.json"
+
+    @property
     def manifest(self) -> Path:
         return self.work / "manifest.json"
 

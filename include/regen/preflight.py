@@ -422,6 +422,23 @@ def prepare_node(cfg: RunConfig) -> StagedModel:
     return stage_weights(cfg)
 
 
+def live_runs(cfg: RunConfig) -> set[str]:
+    """The runs that show life on the output, on every node: a live lease, a pending approval,
+    a running server of this machine's."""
+    from regen.coordination import approval_pending, live_leases
+    from regen.files import read_json
+    from regen.servers.records import read_state
+
+    runs: set[str] = set()
+    for spec in cfg.node_specs():
+        layout = cfg.for_node(spec).layout
+        runs |= {lease.get("run_id", "") for lease in live_leases(layout)}
+        if approval_pending(layout):
+            runs.add((read_json(layout.approval_hold) or {}).get("run_id", ""))
+        runs |= {r.owner for r in read_state(layout) if r.is_here() and r.running()}
+    return runs
+
+
 def check(cfg: RunConfig, code: bool = True, run_id: str = "cli",
           max_map_length: int | None = None, dag_nodes: list[str] | None = None,
           dag_queue: str | None = None) -> PreflightResult:
@@ -437,10 +454,21 @@ def check(cfg: RunConfig, code: bool = True, run_id: str = "cli",
                            scope="run" if cfg.nodes else "all", dag_nodes=dag_nodes, dag_queue=dag_queue)
     if not report.ok:
         raise PreflightFailed(report.problems)
+    if run_id != "cli":  # a DAG run; the operator's own CLI claims nothing
+        from regen.coordination import OutputHeld, claim_output
+
+        try:
+            claim_output(cfg.layout, run_id, live_runs(cfg))
+        except OutputHeld as exc:
+            raise PreflightFailed([str(exc)]) from None
     from regen.generate import shards_to_run  # only now: the code it is in has just been checked
     Manifest(cfg.layout).write_prompts(cfg, report.info["_index"], run_id)
     info = {k: v for k, v in report.info.items() if not k.startswith("_")}
     shards = shards_to_run(cfg)
+    if not shards and run_id != "cli":  # up to date: no task of this run will use the output
+        from regen.coordination import release_output
+
+        release_output(cfg.layout, run_id)
     work = (f"{len(shards)} of {cfg.num_shards} shards with work" if shards else
             "up to date: every prompt has a good row of this model and settings, nothing to send")
     return PreflightResult(shards=shards, up_to_date=not shards, info=info, seconds=round(report.seconds, 2),

@@ -24,6 +24,9 @@ lock file                             holder                                 sco
 ``STAGING/.NAME.lock``                the process staging one model copy     the copy and its check        free; the half copy is a hidden temp      the next staging removes it
 ``work/servers/approval.json``        a run waiting for a person's approval  from its canary to the first  (no process: a deadline, 24 h) the        the first shard, the
 (not a lock: a hold with a deadline)  (written by the canary)                shard or the teardown         servers idle out after it                 teardown
+``work/owner.json``                   the DAG run that holds the output      from its preflight to its     taken over once nothing of it lives (no   its teardown; else the
+(not a lock: a claim)                 (written by its preflight)             teardown                      lease, approval or server of its run)     next run's preflight
+                                                                                                           and its claim is 30 min old
 ====================================  =====================================  ============================  ========================================  ==========================
 
 The watchdog (:mod:`regen.servers.watchdog`) is the one process that outlives Airflow on purpose:
@@ -32,8 +35,10 @@ it stops a node's servers when no lease has been live (and no approval pending) 
 
 from regen.coordination.leases import Lease, approval_pending, end_approval_hold, hold_for_approval, live_leases
 from regen.coordination.locks import FileLock, LockHeld, is_locked
+from regen.coordination.owner import OutputHeld, claim_output, release_output
 from regen.coordination.shares import FairShare, water_fill
 from regen.coordination.slots import SlotPool, request_slots, shard_claims
 
-__all__ = ["FairShare", "FileLock", "Lease", "LockHeld", "SlotPool", "approval_pending", "end_approval_hold",
-           "hold_for_approval", "is_locked", "live_leases", "request_slots", "shard_claims", "water_fill"]
+__all__ = ["FairShare", "FileLock", "Lease", "LockHeld", "OutputHeld", "SlotPool", "approval_pending",
+           "claim_output", "end_approval_hold", "hold_for_approval", "is_locked", "live_leases", "release_output",
+           "request_slots", "shard_claims", "water_fill"]

@@ -26,7 +26,7 @@ import httpx2
 
 from regen import procs
 from regen.config import RunConfig
-from regen.coordination import FileLock, Lease, end_approval_hold
+from regen.coordination import FileLock, Lease, end_approval_hold, release_output
 from regen.engines import engine
 from regen.errors import RegenError
 from regen.files import atomic_write_json, read_json
@@ -381,6 +381,7 @@ def teardown(cfg: RunConfig, run_id: str = "cli", every: bool = False) -> Server
     an approval that was rejected or never answered."""
     end_approval_hold(cfg.layout)
     stopped, others = stop_servers(cfg.layout, run_id, every)
+    release_output(cfg.layout, run_id)
     summary = f"stopped {stopped} server(s)"
     if others:
         summary += f"; left {len(others)} of run(s) {', '.join(sorted({r.owner for r in others}))}"
