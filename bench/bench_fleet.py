@@ -157,20 +157,17 @@ async def _shared_queue(prompts: Path, targets: list[tuple[str, int]], max_token
         nonlocal complete
         while not queue.empty():
             row = queue.get_nowait()
-            history: list[dict] = []
-            for message in row["conversations"]:
-                if message["role"] == "assistant":
-                    continue
-                history.append(message)
-                if message["role"] != "user":
-                    continue
+            history = [m for m in row["conversations"] if m["role"] == "system"]
+            questions = [m for m in row["conversations"] if m["role"] == "user"]
+            for k, question in enumerate(questions):
+                history.append(question)
                 reply = await client.chat.completions.create(
                     model="m", messages=history, max_tokens=max_tokens, temperature=0.7,
                     extra_body={"chat_template_kwargs": {"enable_thinking": True}})
                 choice = reply.choices[0]
-                if choice.finish_reason != "stop":
-                    break
                 history.append({"role": "assistant", "content": choice.message.content})
+                if choice.finish_reason != "stop" and k < len(questions) - 1:
+                    break  # regen's rule: no turn is built on a truncated one
             else:
                 complete += 1
 
