@@ -327,9 +327,11 @@ class ShardRun:
             done = sum(s.skipped + s.done for s in work)
             rows_s, tok_s = self.gen.rates()
             left = total - done - sum(s.failed for s in work)
-            log.info("%s: %s/%s done, %d failed, %s tok/s, ETA %s", self.name, f"{done:,}", f"{total:,}",
-                     sum(s.failed for s in work), f"{tok_s:,.0f}",
-                     format_duration(round(left / rows_s) if rows_s > 0 else None))
+            pool = self.gen.pool
+            log.info("%s: %s/%s done, %d failed, %s tok/s, ETA %s; %d requests on the server holding their "
+                     "prefix, %d moved", self.name, f"{done:,}", f"{total:,}", sum(s.failed for s in work),
+                     f"{tok_s:,.0f}", format_duration(round(left / rows_s) if rows_s > 0 else None),
+                     pool.stayed, pool.moved)
 
 
 def generate(cfg: RunConfig, shards: list[int], endpoints: list[str] | None = None,
