@@ -106,3 +106,20 @@ def test_conversations_specforges_validator_refuses_are_named_by_rule(tmp_path, 
     bad, ok = list(read_prompts(path))
     assert isinstance(bad, PromptError) and bad.rule == rule and bad.line == 1, bad
     assert isinstance(ok, Prompt) and [m["role"] for m in ok.messages] == ["system", "user", "assistant", "user"]
+
+
+def test_a_line_nested_too_deep_or_too_long_is_refused_with_file_and_line(tmp_path, monkeypatch):
+    """Named inputs get bounded work: a JSON line nested 100,000 deep, and a line longer than a
+    record may be, are each a problem naming file:line; the records around them are read."""
+    import regen.prompts as prompts_module
+
+    monkeypatch.setattr(prompts_module, "MAX_LINE_BYTES", 300_000)
+    path = tmp_path / "p.jsonl"
+    good = '{"id": "a", "prompt": "hi"}\n'
+    path.write_text(good + "[" * 100_000 + "]" * 100_000 + "\n" + '{"id": "b", "prompt": "' + "x" * 400_000 + '"}\n'
+                    + good.replace('"a"', '"c"'))
+    items = list(read_prompts(path))
+    assert [getattr(i, "id", None) for i in items] == ["a", None, None, "c"]
+    assert str(items[1]) == f"{path}:2: not valid JSON: nested too deep"
+    assert str(items[2]) == f"{path}:3: longer than 300.0 kB: not a prompt record"
+    assert items[3].line == 4 and items[3].offset == path.read_bytes().index(b'{"id": "c"')

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import msgspec
 
 from regen.toolcalls import answer_calls_in_order, names, normalize_calls, normalize_tools
+from regen.units import format_bytes
 
 _ROLE_ALIASES = {
     "human": "user",
@@ -211,16 +212,46 @@ def iter_records(path: str | Path) -> Iterator[tuple[int, int, Any]]:
                 yield row + 1, row, record
                 row += 1
         return
-    decode = msgspec.json.decode  # several times json.loads' speed: a million lines in seconds
     offset = 0
     with path.open("rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            try:
-                yield lineno, offset, decode(_without_bom(raw, offset))
-            except msgspec.DecodeError as exc:
-                if raw.strip():
-                    yield lineno, offset, PromptError(str(path), lineno, f"not valid JSON: {exc}")
-            offset += len(raw)
+        lineno = 0
+        while True:
+            raw, size = _line(fh)
+            if not size:
+                return
+            lineno += 1
+            record = _decode(path, lineno, raw, offset)
+            if record is not None:
+                yield lineno, offset, record
+            offset += size
+
+
+# A record is a conversation, not a corpus: a longer line is refused (file:line), never read whole.
+MAX_LINE_BYTES = 64 * 2**20
+
+
+def _line(fh) -> tuple[bytes | None, int]:
+    """The next line (None when it is longer than MAX_LINE_BYTES) and the bytes it takes."""
+    raw = fh.readline(MAX_LINE_BYTES + 1)
+    if len(raw) <= MAX_LINE_BYTES or raw.endswith(b"\n"):
+        return raw, len(raw)
+    size = len(raw)
+    while raw and not raw.endswith(b"\n"):  # skip the rest of it, a block at a time
+        raw = fh.readline(2**20)
+        size += len(raw)
+    return None, size
+
+
+def _decode(path: str | Path, line: int, raw: bytes | None, offset: int) -> Any:
+    """A line's record, a PromptError naming file:line, or None for a blank line."""
+    if raw is None:
+        return PromptError(str(path), line, f"longer than {format_bytes(MAX_LINE_BYTES)}: not a prompt record")
+    try:
+        return msgspec.json.decode(_without_bom(raw, offset))  # several times json.loads' speed
+    except msgspec.DecodeError as exc:
+        return PromptError(str(path), line, f"not valid JSON: {exc}") if raw.strip() else None
+    except RecursionError:
+        return PromptError(str(path), line, "not valid JSON: nested too deep")
 
 
 def _without_bom(raw: bytes, offset: int) -> bytes:
@@ -255,13 +286,9 @@ def read_at(path: str | Path, places: list[tuple[int, int]]) -> Iterator[Prompt 
         for line, offset in places:
             yield _prompt(path, line, offset, table.slice(offset, 1).to_pylist()[0])
         return
-    decode = msgspec.json.decode
     with Path(path).open("rb") as fh:
         for line, offset in places:
             fh.seek(offset)
-            raw = fh.readline()
-            try:
-                record = decode(_without_bom(raw, offset))
-            except msgspec.DecodeError as exc:
-                record = PromptError(str(path), line, f"not valid JSON: {exc}")
-            yield _prompt(path, line, offset, record)
+            raw, _ = _line(fh)
+            yield _prompt(path, line, offset, _decode(path, line, raw, offset) or
+                          PromptError(str(path), line, "not valid JSON: an empty line"))
