@@ -254,3 +254,15 @@ def test_a_worker_that_raises_raises_in_the_caller(tmp_path):
             pool.submit("not json").result()
         assert any("in worker process" in note for note in raised.value.__notes__)
         assert [pool.submit(f"[{i}]").result() for i in range(6)] == [[i] for i in range(6)]
+
+
+def test_a_bounded_call_stops_at_its_budget_and_raises_what_the_call_raised():
+    from regen.childpool import OverBudget, call_bounded
+
+    assert call_bounded("json:loads", ('{"a": 1}',), 30, 2**30) == {"a": 1}
+    with pytest.raises(ValueError, match="Expecting value"):
+        call_bounded("json:loads", ("not json",), 30, 2**30)
+    with pytest.raises(OverBudget, match="past its budget|more than"):
+        call_bounded("builtins:bytearray", (3 * 2**30,), 30, 2**30)  # 3 GiB under a 1 GiB limit
+    with pytest.raises(OverBudget):
+        call_bounded("time:sleep", (60,), 2, 2**30)  # wall time, not CPU: the deadline stops it

@@ -271,3 +271,32 @@ def test_regenerate_turns_last_with_thinking_is_refused_when_history_has_answers
     problems = problems_for(make_config, prompts=str(prompts), regenerate_turns="last")
     assert len(problems) == 1 and problems[0].startswith("regenerate_turns last with thinking on: 1 conversations")
     assert problems_for(make_config, prompts=str(prompts)) == []  # all: every turn regenerated with reasoning
+
+
+@pytest.mark.parametrize("bomb", [
+    "{%- set s = 'x' * 4000000000 %}{{ s }}",  # a string of gigabytes
+    "{%- for i in range(100000) %}{%- for j in range(100000) %}{%- endfor %}{%- endfor %}",  # a loop for hours
+])
+def test_a_chat_template_bomb_is_refused_within_its_budget_naming_the_file(make_config, tiny_model, tmp_path,
+                                                                           monkeypatch, bomb):
+    import regen.preflight as preflight
+
+    monkeypatch.setattr(preflight, "TEMPLATE_SECONDS", 5.0)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "chat_template.jinja").write_text(bomb + (model / "chat_template.jinja").read_text())
+    started = time.monotonic()
+    problems = problems_for(make_config, model_path=str(model))
+    assert time.monotonic() - started < 30
+    assert len(problems) == 1 and problems[0].startswith(f"{model / 'chat_template.jinja'}: the chat template"), problems
+
+
+def test_the_longest_prompt_is_counted_on_a_bounded_prefix(make_config, tmp_path):
+    """A 40 MB prompt: counted on what could fit the context at all, and refused at once."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "huge", "prompt": "word " * 8_000_000}) + "\n"
+                       + json.dumps({"id": "small", "prompt": "hi"}) + "\n")
+    started = time.monotonic()
+    problems = problems_for(make_config, prompts=str(prompts))
+    assert time.monotonic() - started < 60
+    assert len(problems) == 1 and "longest prompt ('huge', at least" in problems[0], problems

@@ -219,3 +219,9 @@ def test_a_runs_output_is_never_inside_another_dataset(deployment, tmp_path):
     for inside in (mine / "data", mine / "data" / "x", mine / "sub"):
         assert f"inside the dataset {mine}" in refusals(deployment, {"output": str(inside)})
     assert triggered_run_config(deployment, WHERE, {"output": str(root / "theirs")})
+
+
+def test_a_conf_of_megabytes_is_refused_whole_and_not_echoed(deployment):
+    with pytest.raises(ConfigError) as err:
+        triggered_run_config(deployment, WHERE, {"extra_server_args": ["--sim-reasoning-median", "9" * 30_000_000]})
+    assert "more than the 262,144 a run's conf may hold" in str(err.value) and len(str(err.value)) < 200

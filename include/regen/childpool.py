@@ -17,9 +17,11 @@ a library prints can corrupt the answers.
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import pickle
 import queue
+import signal
 import struct
 import subprocess
 import sys
@@ -34,6 +36,10 @@ _HEADER = struct.Struct("!Q")
 
 class ChildFailed(RuntimeError):
     """A child's call raised (its traceback in the message) or the child died."""
+
+
+class OverBudget(ChildFailed):
+    """A bounded call passed its time or memory limit."""
 
 
 def _write(stream: BinaryIO, value: Any) -> None:
@@ -51,6 +57,14 @@ def _read(stream: BinaryIO) -> Any:
     if len(data) < size:
         raise EOFError
     return pickle.loads(data)
+
+
+def _child_env() -> dict[str, str]:
+    """This environment, with regen importable wherever it was found."""
+    env = dict(os.environ)
+    package_root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    return env
 
 
 def _resolve(target: str) -> Callable:
@@ -96,9 +110,7 @@ class ChildPool:
 
     def __init__(self, workers: int, function: str, initializer: str = "regen.childpool:_nothing",
                  init_args: tuple = ()):
-        env = dict(os.environ)
-        package_root = str(Path(__file__).resolve().parents[1])  # regen importable wherever it was found
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        env = _child_env()
         self._children = [_Child(initializer, init_args, function, env) for _ in range(workers)]
         self._idle: queue.Queue[_Child] = queue.Queue()
         for child in self._children:
@@ -125,6 +137,45 @@ class ChildPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def call_bounded(function: str, args: tuple, seconds: float, memory_bytes: int) -> Any:
+    """``function(*args)`` (``module:name``) in a fresh child held to ``memory_bytes`` of address
+    space and ``seconds`` of CPU and of wall time: for work whose size an input decides (a chat
+    template from a model folder is a program; it can loop or build a string of gigabytes).
+    OverBudget when it passes either; what it raised, raised again here."""
+    import math
+    import resource
+
+    def limits() -> None:  # in the child, before it runs anything
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+        cpu = math.ceil(seconds)
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+
+    request = io.BytesIO()
+    _write(request, ("regen.childpool:_nothing", (), function))
+    _write(request, args)
+    proc = subprocess.Popen([sys.executable, "-m", "regen.childpool"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=_child_env(), close_fds=True, preexec_fn=limits)
+    try:
+        out, err = proc.communicate(request.getvalue(), timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise OverBudget(f"took more than {seconds:.0f} s") from None
+    budget = f"{seconds:.0f} s of CPU or {memory_bytes / 2**30:.1f} GiB of memory"
+    if len(out) < _HEADER.size:  # it died before it could answer
+        said = err.decode(errors="replace").strip()
+        if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL) or "MemoryError" in said[-2000:]:
+            raise OverBudget(f"stopped past its budget of {budget}")
+        raise ChildFailed(f"worker process died (exit status {proc.returncode}): {said[-1500:]}")
+    ok, value, where = pickle.loads(out[_HEADER.size:])
+    if ok:
+        return value
+    if isinstance(value, MemoryError):
+        raise OverBudget(f"needed more than its budget of {budget}")
+    value.add_note(where)
+    raise value
 
 
 def _nothing() -> None:

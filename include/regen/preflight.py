@@ -211,45 +211,86 @@ def check_model(cfg: RunConfig, report: PreflightReport) -> None:
     if not (model / "tokenizer.json").is_file():
         report.problems.append(f"model_path {model}: no tokenizer.json (the audit needs a fast tokenizer)")
         return
-    from regen.audit.dataset import resolved
     from regen.audit.findings import AuditThresholds
+    from regen.childpool import ChildFailed, OverBudget, call_bounded
+
+    longest = report.info.get("_longest_prompt")
+    try:
+        problems, info = call_bounded("regen.preflight:tokenizer_checks", (
+            str(model), AuditThresholds.from_config(cfg), cfg.enable_thinking,
+            (longest.id, longest.messages) if longest is not None else None, cfg.sampling.max_tokens, context),
+            TEMPLATE_SECONDS, TEMPLATE_MEMORY_BYTES)
+    except OverBudget as exc:
+        where = next((model / n for n in ("chat_template.jinja", "tokenizer_config.json") if (model / n).is_file()), model)
+        report.problems.append(f"{where}: the chat template (with the tokenizer, on a probe and the longest prompt) "
+                               f"{exc}: a template is a program, and this one is refused")
+        return
+    except ChildFailed as exc:  # regen's own modules did not import (check_code names why)
+        report.problems.append(f"model_path {model}: the tokenizer checks could not run: {exc}")
+        return
+    report.problems.extend(problems)
+    report.info.update(info)
+
+
+# The chat template and the tokenizer run in a child held to these (the template is a program
+# a model folder brings): seconds for a real one, whatever the prompts; and what may be read of
+# the longest prompt to count its tokens (beyond that it cannot fit the context anyway).
+TEMPLATE_SECONDS = 60.0
+TEMPLATE_MEMORY_BYTES = 3 * 2**30
+LONGEST_PROMPT_CHARS_PER_TOKEN = 16
+
+
+def tokenizer_checks(model: str, thresholds, enable_thinking: bool, longest: tuple[str, list[dict]] | None,
+                     max_tokens: int, context: int | None) -> tuple[list[str], dict]:
+    """preflight's checks that run the model's tokenizer and chat template: (problems, info);
+    run through regen.childpool.call_bounded."""
+    from regen.audit.dataset import resolved
     from regen.chat.render import load_tokenizer, render_generation_prompt, template_problems
     from regen.chat.templates import DEFAULT_TRAIN_TEMPLATE, TRAIN_TEMPLATES
     from regen.errors import DataError
 
+    problems: list[str] = []
+    info: dict = {}
     try:
-        tokenizer = load_tokenizer(str(model))
+        tokenizer = load_tokenizer(model)
     except Exception as exc:  # any loader failure is a finding, named with its type
-        report.problems.append(f"model_path {model}: tokenizer does not load: {type(exc).__name__}: {exc}")
-        return
+        return [f"model_path {model}: tokenizer does not load: {type(exc).__name__}: {exc}"], info
     template = DEFAULT_TRAIN_TEMPLATE
     try:
-        thresholds = resolved(AuditThresholds.from_config(cfg), tokenizer)
+        thresholds = resolved(thresholds, tokenizer)
     except DataError as exc:
-        report.problems.append(f"train_template: {exc}")
+        problems.append(f"train_template: {exc}")
     else:
         template = TRAIN_TEMPLATES[thresholds.train_template]
-        report.info["train_template"] = thresholds.train_template
-        report.info["train_layout"] = thresholds.train_layout
-        if cfg.enable_thinking and not template.keeps_reasoning:
-            report.problems.append(f"train_template {thresholds.train_template!r}: SpecForge's parser for it "
-                                   f"drops reasoning_content, so training would see empty think blocks")
-    for problem in template_problems(tokenizer, cfg.enable_thinking, template.fmt):
-        report.problems.append(f"model_path {model}: {problem}")
-    longest = report.info.get("_longest_prompt")
-    if longest is not None and context:
-        try:
-            prompt_tokens = len(tokenizer.encode(
-                render_generation_prompt(tokenizer, longest.messages, cfg.enable_thinking),
-                add_special_tokens=False))
-        except Exception:  # template errors are reported above
-            return
-        report.info["longest_prompt_tokens"] = prompt_tokens
-        if prompt_tokens + cfg.sampling.max_tokens > context:
-            report.problems.append(
-                f"max_tokens {cfg.sampling.max_tokens} + longest prompt ({longest.id!r}, {prompt_tokens} "
-                f"tokens) = {prompt_tokens + cfg.sampling.max_tokens} passes the context length {context}"
-            )
+        info["train_template"] = thresholds.train_template
+        info["train_layout"] = thresholds.train_layout
+        if enable_thinking and not template.keeps_reasoning:
+            problems.append(f"train_template {thresholds.train_template!r}: SpecForge's parser for it "
+                            f"drops reasoning_content, so training would see empty think blocks")
+    for problem in template_problems(tokenizer, enable_thinking, template.fmt):
+        problems.append(f"model_path {model}: {problem}")
+    if longest is None or not context:
+        return problems, info
+    prompt_id, messages = longest
+    budget = LONGEST_PROMPT_CHARS_PER_TOKEN * (context + 1)  # more than this many characters cannot fit
+    cut = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            message = {**message, "content": content[:max(budget, 0)]}
+            budget -= len(content)
+        cut.append(message)
+    try:
+        prompt_tokens = len(tokenizer.encode(render_generation_prompt(tokenizer, cut, enable_thinking),
+                                             add_special_tokens=False))
+    except Exception:  # template errors are reported above
+        return problems, info
+    info["longest_prompt_tokens"] = prompt_tokens
+    if prompt_tokens + max_tokens > context:
+        at_least = "at least " if budget < 0 else ""
+        problems.append(f"max_tokens {max_tokens} + longest prompt ({prompt_id!r}, {at_least}{prompt_tokens} "
+                        f"tokens) = {prompt_tokens + max_tokens} passes the context length {context}")
+    return problems, info
 
 
 def check_engine(cfg: RunConfig, report: PreflightReport) -> None:

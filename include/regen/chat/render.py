@@ -109,6 +109,8 @@ def template_for_model(tokenizer, model_type: str | None = None) -> str | None:
     knows think blocks (a drafter of a thinking model learns its thinking). None: not known."""
     try:
         prompt = render_generation_prompt(tokenizer, [{"role": "user", "content": "Hi"}], True)
+    except MemoryError:  # past its budget (regen.childpool.call_bounded): the caller's to report
+        raise
     except Exception:  # a template that cannot render is preflight's finding, not this one's
         return None
     thinks = "<think>" in (tokenizer.chat_template or "") or "</think>" in (tokenizer.chat_template or "")
@@ -183,6 +185,8 @@ def generation_prefill(tokenizer, fmt: ChatFormat, thinking: bool) -> str:
     generate but training renders inside the span (Qwen3 with thinking off: an empty think block)."""
     try:
         prompt = render_generation_prompt(tokenizer, [{"role": "user", "content": "Hi"}], thinking)
+    except MemoryError:  # past its budget (regen.childpool.call_bounded): the caller's to report
+        raise
     except Exception:  # a template that cannot render is preflight's finding
         return ""
     at = prompt.rfind(fmt.assistant_header)
@@ -197,6 +201,8 @@ def template_problems(tokenizer, enable_thinking: bool, fmt: ChatFormat = QWEN) 
         prompt = render_generation_prompt(tokenizer, probe, enable_thinking)
         full = render(tokenizer, [training_messages(probe, "Two plus two is four.", "4")],
                       enable_thinking)[0]
+    except MemoryError:  # past its budget (regen.childpool.call_bounded): the caller's to report
+        raise
     except Exception as exc:  # a template error is a finding, whatever its type
         return [f"chat template fails to render: {type(exc).__name__}: {exc}"]
     if not prompt.endswith(fmt.assistant_header) and fmt.assistant_header not in prompt:

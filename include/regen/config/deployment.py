@@ -10,6 +10,7 @@ deployment's value. The CLI with ``--config`` (the operator's own shell) is not 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -24,6 +25,7 @@ from regen.config.run import RunConfig, run_fields
 DEPLOYMENT_FIELDS = ("engine_python", "remote_regen", "ssh_conn_id", "nodes", "queue", "node", "host",
                      "staging_dir", "output_root", "api_key")
 _FLAG = re.compile(r"^--?[A-Za-z]")
+MAX_CONF_BYTES = 256 * 1024
 
 
 class DeploymentFieldError(ConfigError):
@@ -65,6 +67,9 @@ def triggered_run_config(deployment: RunConfig, where: str, conf: Mapping[str, A
     from regen.engines import engine
 
     conf = dict(conf or {})
+    size = len(json.dumps(conf, default=str))
+    if size > MAX_CONF_BYTES:  # refused whole, never echoed: a run's fields fit in a few kB
+        raise ConfigError(f"run conf: {size:,} bytes, more than the {MAX_CONF_BYTES:,} a run's conf may hold")
     problems = []
     # A key, not an empty one (`regen config --json` prints `api_key: null`); never echoed.
     if conf.get("api_key"):
