@@ -163,7 +163,8 @@ def test_the_watchdog_watches_from_the_first_record_and_never_idles_a_loading_se
     assert records[0].running()  # loaded for 5 s under a 1 s idle shutdown, and not stopped
     wait_until(lambda: read_state(RunLayout(cfg.output)) == [], 15, "idle shutdown after the start")
 
-    other = make_config(num_servers=1, idle_shutdown_s=1, output=str(tmp_path / "killed"),
+    # Killed while they load, under an idle shutdown of ten minutes: stopped at once, not after it.
+    other = make_config(num_servers=1, idle_shutdown_s=600, output=str(tmp_path / "killed"),
                         extra_server_args=["--sim-startup-delay", "600"])
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump(json.loads(other.model_dump_json())))

@@ -33,12 +33,13 @@ The watchdog (:mod:`regen.servers.watchdog`) is the one process that outlives Ai
 it stops a node's servers when no lease has been live (and no approval pending) for ``idle_shutdown_s``.
 """
 
-from regen.coordination.leases import Lease, approval_pending, end_approval_hold, hold_for_approval, live_leases
+from regen.coordination.leases import (Lease, abandoned, approval_pending, end_approval_hold, hold_for_approval,
+                                      live_leases)
 from regen.coordination.locks import FileLock, LockHeld, is_locked
 from regen.coordination.owner import OutputHeld, claim_output, release_output
 from regen.coordination.shares import FairShare, water_fill
 from regen.coordination.slots import SlotPool, request_slots, shard_claims
 
-__all__ = ["FairShare", "FileLock", "Lease", "LockHeld", "OutputHeld", "SlotPool", "approval_pending",
+__all__ = ["FairShare", "FileLock", "Lease", "LockHeld", "OutputHeld", "SlotPool", "abandoned", "approval_pending",
            "claim_output", "end_approval_hold", "hold_for_approval", "is_locked", "live_leases", "release_output",
            "request_slots", "shard_claims", "water_fill"]

@@ -122,6 +122,24 @@ def live_leases(layout: RunLayout, stale_after_s: float = STALE_AFTER_S) -> list
     return found
 
 
+def abandoned(layout: RunLayout, name: str) -> bool:
+    """Whether the lease ``name`` was left by a holder that died holding it: its file is there
+    (a holder that ends removes it) and nobody holds it (a retry would have put its own in place)."""
+    path = layout.lease(name)
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: its holder is alive (or the lock cannot be tested: not judged dead)
+        return False
+    else:
+        return _same_file(fd, path)
+    finally:
+        os.close(fd)
+
+
 # A run waiting for a person's approval has no process to hold a lease, so its hold is a file with
 # a deadline: the canary writes it, the first shard or the teardown removes it; past the deadline
 # (nobody ever answered) the servers idle out as usual.

@@ -38,6 +38,7 @@ from regen.servers.gpus import server_devices
 from regen.servers.records import ServerRecord, read_state, watchdog_file, write_state
 
 log = logging.getLogger("regen.servers")
+START_LEASE = "start-servers"  # held while servers start: a starter killed mid-way leaves it behind
 
 
 class ServerError(RegenError):
@@ -165,7 +166,7 @@ def start_servers(cfg: RunConfig, model_path: str, run_id: str = "cli",
         api_key = cfg.servers.api_key or (records[0].api_key if records else None) or secrets.token_hex(24)
         # The lease keeps the watchdog from idling the servers out while they load (minutes); if
         # this process dies meanwhile, the lease dies with it and the watchdog stops them.
-        with Lease(layout, "start-servers", run_id) as lease:
+        with Lease(layout, START_LEASE, run_id) as lease:
             launched = _launch(cfg, layout, model_path, fingerprint, run_id, api_key, to_launch, records, lease)
         # Again after the launch: a watchdog that _launch found alive may have been on its way out
         # (its servers had just been torn down) and exited since.

@@ -10,7 +10,8 @@ failed from outside, a killed worker, a teardown that never ran. Every ``poll_s`
   take the restarted one back when their probe finds it healthy;
 - when no lease has been live for ``idle_shutdown_s``, it stops every recorded server and exits; a
   run waiting for a person's approval after its canary counts as using them (until it is
-  answered, at most a day).
+  answered, at most a day); when their start was killed while they loaded (its lease left
+  behind, held by nobody: Airflow will not run the teardown of a setup that failed), at once.
 
 It is started before the first server, so a starter killed at any moment leaves nothing
 unwatched; it exits when no server is recorded any more (a teardown ran), or none ever was and
@@ -27,9 +28,9 @@ import sys
 import time
 
 from regen.alerts import send
-from regen.coordination import approval_pending, live_leases
+from regen.coordination import abandoned, approval_pending, live_leases
 from regen.layout import RunLayout
-from regen.servers.lifecycle import relaunch, stop_servers
+from regen.servers.lifecycle import START_LEASE, relaunch, stop_servers
 from regen.servers.records import read_state
 
 log = logging.getLogger("regen.watchdog")
@@ -74,6 +75,11 @@ def watch(layout: RunLayout, idle_shutdown_s: float | None, poll_s: float = 1.0)
                 send("servers", message, output=str(layout.root))
         elif not any(record.running() for record in records):
             return "no server running and no shard needs one"
+        elif abandoned(layout, START_LEASE):  # its starter died while they loaded: no task will use them
+            stopped, _ = stop_servers(layout, every=True, keep_watchdog=True)
+            reason = f"the start of the servers was killed before they were up: stopped {stopped} at once"
+            log.info(reason)
+            return reason
         elif idle_shutdown_s and now - last_active >= idle_shutdown_s:
             stopped, _ = stop_servers(layout, every=True, keep_watchdog=True)
             reason = f"no shard used the servers for {idle_shutdown_s:.0f} s: stopped {stopped}"
