@@ -321,3 +321,23 @@ def test_half_written_shard_files_of_a_killed_publish_are_removed_by_the_next_at
     other.write_bytes(b"x")
     assert generate_shard(PROMPTS, out, endpoints(records)).done == 0  # up to date
     assert not orphan.exists() and other.exists()
+
+
+def test_preflights_disk_estimate_covers_a_running_shards_journal_and_its_file(sim_servers, tmp_path):
+    """At the peak a shard holds its journal (text and every token id, as JSON) and the Parquet
+    file it publishes: the estimate preflight checks the free space against covers both."""
+    import pyarrow.parquet as pq
+
+    from regen.pipeline import run
+    from support.data import write_prompts
+
+    prompts = write_prompts(tmp_path / "p.jsonl", 60)
+    cfg, records = sim_servers(num_servers=1, num_shards=1, max_tokens=200, prompts=str(prompts))
+    estimate = run("preflight", cfg, code=False).info["output_estimate_bytes"]
+    run("generate", cfg, shards=[0])
+    published = sum(p.stat().st_size for p in cfg.layout.data.glob("*.parquet"))
+    journal = Journal(tmp_path / "journal.jsonl")
+    for row in pq.read_table(cfg.layout.data).to_pylist():
+        journal.append(row)
+    journal.close()
+    assert (tmp_path / "journal.jsonl").stat().st_size + published <= estimate

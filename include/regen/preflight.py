@@ -334,6 +334,14 @@ def check_installed_engine(cfg: RunConfig, report: PreflightReport) -> None:
         report.problems.append(f"the launch command is refused by {installed.source}: {installed.launch_error}")
 
 
+def output_bytes_per_row(prompt_chars: int, max_tokens: int) -> float:
+    """The disk a row takes at the peak, publishing: its journal line (the prompt, up to
+    max_tokens of text at ~4 bytes a token, and every token id as JSON, ~7 bytes each, a prompt
+    token per ~4 characters) plus its compressed copy in the shard file (about half)."""
+    journal = prompt_chars + max_tokens * 4 + (prompt_chars / 4 + max_tokens) * 7
+    return journal * 1.5
+
+
 def check_space(cfg: RunConfig, report: PreflightReport) -> None:
     output = Path(cfg.output)
     probe_dir = output
@@ -344,8 +352,7 @@ def check_space(cfg: RunConfig, report: PreflightReport) -> None:
     else:
         prompts = report.info.get("prompts", 0)
         longest = report.info.get("longest_prompt_chars", 0)
-        # A row is its prompt plus up to max_tokens of text (~4 bytes a token), compressed ~2x.
-        need = int(prompts * (longest + cfg.sampling.max_tokens * 4) / 2)
+        need = int(prompts * output_bytes_per_row(longest, cfg.sampling.max_tokens))
         free = shutil.disk_usage(probe_dir).free
         report.info["output_estimate_bytes"] = need
         if need > free:
