@@ -197,8 +197,10 @@ def regeneration_dag(run: RunDefinition):
             generated >> stop_servers.override(task_id=spec.task_id("stop_servers"), **on_node)(
                 spec.name).as_teardown(setups=servers)
         gate = approval_gate()
+        approvers = [{"id": user, "name": user} for user in run.config.canary.approvers] or None
         approve = ApprovalOperator(task_id="approve", subject="regen: start generating {{ dag_run.dag_id }}?",
-                                   body=APPROVAL_BODY, retries=0, execution_timeout=timedelta(minutes=5),
+                                   body=APPROVAL_BODY, assigned_users=approvers, retries=0,
+                                   execution_timeout=timedelta(minutes=5),
                                    response_timeout=timedelta(seconds=APPROVAL_HOLD_S))  # as long as the servers wait
         checked >> gate >> [approve, generated]
         approve >> generated >> audit.override(outlets=outlets)()

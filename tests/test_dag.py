@@ -104,6 +104,12 @@ def test_model_output_in_the_approval_body_stays_text():
     assert "evil.example" in html and "javascript" in html  # shown, as text
 
 
+def test_the_approval_is_answered_by_the_users_the_deployment_names(deployed_dag, make_config):
+    dag = deployed_dag(make_config(approve_after_canary=True, approvers=["alice", "bob"]))
+    assert dag.get_task("approve").assigned_users == [{"id": "alice", "name": "alice"}, {"id": "bob", "name": "bob"}]
+    assert deployed_dag(make_config()).get_task("approve").assigned_users is None
+
+
 def test_every_config_field_is_a_param_with_a_valid_default():
     from regen.config import run_fields
     from regen.dags.params import NOT_PARAMS

@@ -44,7 +44,7 @@ def refusals(deployment, conf, **others) -> str:
 @pytest.mark.parametrize("field, value", [
     ("engine_python", "/tmp/payload.sh"), ("remote_regen", "/tmp/payload.sh"), ("ssh_conn_id", "other_team_node"),
     ("host", "0.0.0.0"), ("staging_dir", "/home/someone"), ("queue", "another-node"), ("output_root", "/"),
-    ("nodes", [{"name": "a", "ssh_conn_id": "other_team_node"}]),
+    ("nodes", [{"name": "a", "ssh_conn_id": "other_team_node"}]), ("approvers", ["the-trigger-user"]),
 ])
 def test_a_conf_that_changes_a_deployment_field_is_refused_naming_it_and_where_it_is_set(deployment, field, value):
     message = refusals(deployment, {field: value})

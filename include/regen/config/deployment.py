@@ -21,9 +21,9 @@ from regen.config.run import RunConfig, run_fields
 
 # Chosen by the deployment only: an executable (engine_python, remote_regen), a connection or a
 # machine (ssh_conn_id, nodes, queue, node), where servers listen (host), a directory root
-# (staging_dir, output_root) and the servers' key.
+# (staging_dir, output_root), the servers' key and who may approve a run (approvers).
 DEPLOYMENT_FIELDS = ("engine_python", "remote_regen", "ssh_conn_id", "nodes", "queue", "node", "host",
-                     "staging_dir", "output_root", "api_key")
+                     "staging_dir", "output_root", "api_key", "approvers")
 _FLAG = re.compile(r"^--?[A-Za-z]")
 MAX_CONF_BYTES = 256 * 1024
 

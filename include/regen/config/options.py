@@ -240,6 +240,10 @@ class CanaryOptions(Options):
         description="A person approves the run in Airflow (human-in-the-loop task) after reading the "
                     "canary's examples and estimate; reject stops the run before generation, servers "
                     "stopped.")
+    approvers: list[str] = Field(
+        default_factory=list, title="Approvers",
+        description="Deployment field. The Airflow users who may answer the approval (its assigned users); "
+                    "empty: any user allowed to act on the DAG's tasks, the one who triggered it included.")
 
 
 class AuditOptions(Options):
