@@ -1,18 +1,22 @@
-"""Airflow plugin: the regen run page, as an external view on every dag run.
+"""Airflow plugin: the regen run page, as an external view on every dag run, and the listener
+that removes a key typed into a run's conf from what Airflow stores.
 
-The page itself (and its access check) lives in the regen package: regen.dags.runpage.
+The page itself (and its access check) lives in the regen package: regen.dags.runpage; the
+listener is regen.dags.conf_scrub.
 """
 
 from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
 
+from regen.dags import conf_scrub
 from regen.dags.runpage import create_app
 
 
 class RegenPlugin(AirflowPlugin):
     name = "regen"
     fastapi_apps = [{"app": create_app(), "url_prefix": "/regen", "name": "regen run page"}]
+    listeners = [conf_scrub]
     external_views = [{
         "name": "Regeneration",
         "href": "regen/runs/{DAG_ID}/{RUN_ID}",

@@ -118,9 +118,11 @@ def test_a_trigger_only_user_cannot_choose_what_runs_and_never_sees_the_key(airf
     """Under `airflow standalone`, through the REST API with the token of a user who may only read
     and trigger DAGs: each conf that names a program or reaches past the deployment fails at
     preflight, naming the field, and the program never runs; a plain run succeeds; the key is in
-    no REST answer about the DAG, its runs or their logs, nor in an import error. About 2 min."""
+    no REST answer about the DAG, its runs or their logs, nor in an import error; a key typed into a
+conf is refused and replaced in the stored conf. About 2 min."""
     script, marker = payload
     key = "regen-deploy-key-" + "x7" * 16
+    typed = "typed-into-a-conf-" + "q9" * 16
     root = tmp_path / "datasets"
     cfg = make_config(output=str(root / "chat"), api_key=key, num_shards=1, sim_tokens_per_second=4000)
     deploy(cfg, airflow["config_dir"])
@@ -140,6 +142,7 @@ def test_a_trigger_only_user_cannot_choose_what_runs_and_never_sees_the_key(airf
             "ssh_conn_id": {"ssh_conn_id": "no_such_node"},
             "extra_server_args": {"engine": "vllm", "extra_server_args": ["--tool-parser-plugin", str(script)]},
             "output": {"output": str(tmp_path / "outside")},
+            "api_key": {"api_key": typed},  # typed into the conf: refused, and not kept in Airflow's store
         }
         runs = {}
         for field, change in [*attempts.items(), ("none", {})]:
@@ -160,6 +163,7 @@ def test_a_trigger_only_user_cannot_choose_what_runs_and_never_sees_the_key(airf
                     assert key not in admin.get(f"{path}/{run_id}/taskInstances/{task_id}/logs/1",
                                                 params={"full_content": True}).text
                 continue
+            assert typed not in log
             assert state == "failed" and tis["preflight"] == "failed", (field, tis)
             assert tis["stage_weights"] == "upstream_failed"
             assert f"- {field}" in log and "run conf refused" in log, (field, log[-3000:])
@@ -167,7 +171,7 @@ def test_a_trigger_only_user_cannot_choose_what_runs_and_never_sees_the_key(airf
         assert not (tmp_path / "outside").exists()
         for answer in (user.get("/dags/regenerate_dataset/details"), user.get(path),
                        *(user.get(f"{path}/{run_id}") for run_id in runs.values())):
-            assert answer.status_code == 200 and key not in answer.text
+            assert answer.status_code == 200 and key not in answer.text and typed not in answer.text
         assert "api_key" not in user.get("/dags/regenerate_dataset/details").json()["params"]
 
         def import_errors() -> str:
@@ -225,3 +229,11 @@ def test_a_conf_of_megabytes_is_refused_whole_and_not_echoed(deployment):
     with pytest.raises(ConfigError) as err:
         triggered_run_config(deployment, WHERE, {"extra_server_args": ["--sim-reasoning-median", "9" * 30_000_000]})
     assert "more than the 262,144 a run's conf may hold" in str(err.value) and len(str(err.value)) < 200
+
+
+def test_the_conf_scrub_replaces_only_a_key_that_is_there():
+    from regen.dags.conf_scrub import REDACTED, scrubbed
+
+    assert scrubbed({"api_key": "sk-" + "z" * 40, "max_tokens": 5}) == {"api_key": REDACTED, "max_tokens": 5}
+    assert scrubbed({"api_key": None, "max_tokens": 5}) is None  # `regen config --json` prints it empty
+    assert scrubbed({"api_key": REDACTED}) is None and scrubbed(None) is None
