@@ -152,11 +152,15 @@ def call_bounded(function: str, args: tuple, seconds: float, memory_bytes: int) 
         cpu = math.ceil(seconds)
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 
+    # Address space, not resident memory, is what RLIMIT_AS counts: on a node with many cores,
+    # a thread pool per core and glibc's arena per thread reserve gigabytes they never touch.
+    bounded_env = {**_child_env(), "MALLOC_ARENA_MAX": "2", "RAYON_NUM_THREADS": "2",
+                   "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     request = io.BytesIO()
     _write(request, ("regen.childpool:_nothing", (), function))
     _write(request, args)
     proc = subprocess.Popen([sys.executable, "-m", "regen.childpool"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=_child_env(), close_fds=True, preexec_fn=limits)
+                            stderr=subprocess.PIPE, env=bounded_env, close_fds=True, preexec_fn=limits)
     try:
         out, err = proc.communicate(request.getvalue(), timeout=seconds)
     except subprocess.TimeoutExpired:
