@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("the config", ("regen.config",)),
     ("records and adapters", ("regen.config.deployment", "regen.training", "regen.results", "regen.stages", "regen.remote", "regen.manifest",
                               "regen.progress", "regen.status", "regen.alerts", "regen.engines",
-                              "regen.servers.records", "regen.servers.gpus", "regen.export",
+                              "regen.servers.records", "regen.servers.gpus", "regen.servers.capacity", "regen.export",
                               "regen.tinymodel", "regen.audit.findings", "regen.audit.rules",
                               "regen.audit.viewer", "regen.audit.report")),
     ("work", ("regen.client", "regen.dispatch", "regen.store", "regen.weights", "regen.servers.lifecycle",

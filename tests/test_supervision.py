@@ -338,6 +338,7 @@ def test_a_person_approves_or_rejects_the_run_after_the_canary(airflow, make_con
             before = [(r.pid, r.start_ticks) for r in read_state(layout)]
             time.sleep(pending_for_s)
             assert [(r.pid, r.start_ticks) for r in read_state(layout) if r.running()] == before
+            assert "no shard used the servers" not in layout.watchdog_log.read_text()  # not even for a moment
         answered = api.patch(path, json={"chosen_options": [option]})
         assert answered.status_code == 200, answered.text
 

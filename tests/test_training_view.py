@@ -269,7 +269,9 @@ def test_regens_template_registry_is_specforges(tmp_path):
 
 def chat_template_for(name: str) -> str:
     """A chat template of this test's own that renders with the markers of SpecForge's template
-    ``name``: a stand-in for the model family's own, on the tiny model's tokenizer."""
+    ``name``: a stand-in for the model family's own, on the tiny model's tokenizer. A turn
+    without reasoning renders as the family does (GLM: ``<think></think>`` right after the header,
+    which training must not learn)."""
     from regen.chat.templates import TRAIN_TEMPLATES
 
     fmt = TRAIN_TEMPLATES[name].fmt
@@ -277,12 +279,14 @@ def chat_template_for(name: str) -> str:
     user = eot if name in ("glm-5.2", "inkling-thinking") else "<|user_turn|>\n"  # the next turn ends a turn
     think_open = "" if fmt.opens_thinking or fmt.assistant_header.endswith("<think>") else "<think>\n"
     after = "" if user == eot else eot
+    closed = fmt.skip_after_header  # GLM closes an empty thought right after its header
     q = lambda text: json.dumps(text)  # noqa: E731 (a Jinja string literal)
     return ("{%- for m in messages %}"
             "{%- if m.role == 'system' %}{{ " + q("<|sys|>") + " + m.content + " + q("\n") + " }}"
             "{%- elif m.role == 'user' %}{{ " + q(user) + " + m.content + " + q("\n") + " }}"
             "{%- else %}{{ " + q(fmt.assistant_header) + " }}"
             "{%- if m.reasoning_content %}{{ " + q(think_open) + " + m.reasoning_content + " + q("\n</think>\n\n") + " }}"
+            "{%- else %}{{ " + q(closed) + " }}"
             "{%- endif %}{{ m.content + " + q(after) + " }}{%- endif %}{%- endfor %}")
 
 

@@ -23,6 +23,7 @@ from regen.placement import servers_for
 from regen.progress import RunProgress
 from regen.prompts import Prompt, read_prompts
 from regen.results import CanaryReport
+from regen.servers.lifecycle import against_plan
 from regen.toolcalls import written_call
 from regen.turns import Conversation, steps
 from regen.units import format_duration
@@ -213,10 +214,15 @@ def probe(cfg: RunConfig, run_id: str | None = None) -> CanaryReport:
     if result.problems:
         end_approval_hold(cfg.layout)
         raise CanaryFailed("\n".join(result.problems))
+    off_plan = against_plan(cfg, servers[0])  # every server of a node is launched alike
+    if off_plan:
+        log.warning("%s", off_plan)
+        result.estimate["off_plan"] = off_plan
     return CanaryReport(
         passed=True, samples=len(result.rows), estimate=result.estimate,
         examples=[{"id": r["id"], "turns": len(r.get("turns") or [1]),
                    "reasoning_content": (r["reasoning_content"] or "")[:EXAMPLE_CHARS],
                    "content": (r["content"] or "")[:EXAMPLE_CHARS]}
                   for r in sorted(result.rows, key=lambda r: r["id"])[:3]],  # the same three, however they finished
-        summary=f"canary passed: {len(result.rows)} samples; estimate: {result.estimate.get('text', 'n/a')}")
+        summary=f"canary passed: {len(result.rows)} samples; estimate: {result.estimate.get('text', 'n/a')}"
+                + (f"; {off_plan}" if off_plan else ""))

@@ -145,7 +145,11 @@ def cmd_stage(args) -> int:
 def cmd_serve(args) -> int:
     cfg = load_config(args)
     if args.dry_run:
-        print(run("server_plan", cfg, model_path=args.served_model_path).model_dump_json(indent=1))
+        planned = run("server_plan", cfg, model_path=args.served_model_path, gpu=args.gpu)
+        print(planned.model_dump_json(indent=1))
+        for line in (planned.operating_point or {}).get("summary") or [(planned.operating_point or {}).get("problem")]:
+            if line:
+                print(f"per server: {line}", file=sys.stderr)
         return 0
     if args.stop:
         print(run("stop_servers", cfg, run_id=args.run_id, every=args.every).summary)
@@ -282,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "whichever run owns it")
     p.add_argument("--dry-run", action="store_true", help="print the plan (each server's port, GPUs and "
                    "command) as JSON and start nothing")
+    p.add_argument("--gpu", help="with --dry-run: plan each server's concurrency on this GPU (H100, H200, "
+                   "B200, or its memory in MiB; default: the node's own)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("logs", help="the last lines of each server's log")

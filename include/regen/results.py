@@ -52,6 +52,8 @@ class PlannedServer(BaseModel):
 class ServerPlan(StageResult):
     """What start_servers would launch (``regen serve --dry-run``, preflight's report)."""
     servers: list[PlannedServer]
+    # Each server's operating point on its GPU (regen.servers.capacity): None where no GPU is known.
+    operating_point: dict[str, Any] | None = None
 
 
 class ServersStopped(StageResult):

@@ -42,6 +42,21 @@ def detect_gpus() -> list[str]:
     return [line.strip() for line in out.split() if line.strip().isdigit()]
 
 
+def detect_gpu_memory_mib() -> int | None:
+    """The smallest total memory among this machine's GPUs (MiB, as nvidia-smi reports it); None
+    without one. The smallest: one plan must fit every server of the node."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (subprocess.SubprocessError, OSError):
+        return None
+    sizes = [int(line.strip()) for line in out.splitlines() if line.strip().isdigit()]
+    return min(sizes) if sizes else None
+
+
 def gpus_per_server(cfg: RunConfig) -> int:
     """tp_size x dp_size: the GPUs one server is launched on."""
     return cfg.engine_options.tp_size * cfg.engine_options.dp_size

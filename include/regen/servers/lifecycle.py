@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -34,7 +35,8 @@ from regen.layout import RunLayout
 from regen.machine import node_name
 from regen.manifest import Manifest, model_fingerprint
 from regen.results import PlannedServer, ServerLogs, ServerPlan, ServersStopped, ServersUp
-from regen.servers.gpus import server_devices
+from regen.servers import capacity
+from regen.servers.gpus import detect_gpu_memory_mib, server_devices
 from regen.servers.records import ServerRecord, read_state, watchdog_file, write_state
 
 log = logging.getLogger("regen.servers")
@@ -101,14 +103,51 @@ def node_lock(layout: RunLayout):
         yield
 
 
-def plan(cfg: RunConfig, model_path: str | None = None) -> ServerPlan:
+def plan(cfg: RunConfig, model_path: str | None = None, gpu: str | None = None) -> ServerPlan:
     """What start_servers would launch on this node, started nowhere: each server's port, GPUs
-    and command line (as the process will show it: without its key)."""
+    and command line (as the process will show it: without its key), and on a named or detected
+    GPU what each server can run and what limits it."""
     model_path, adapter = model_path or cfg.model_path, engine(cfg.engine)
     return ServerPlan(servers=[
         PlannedServer(index=index, port=cfg.servers.base_port + index, cuda_visible_devices=devices,
                       argv=adapter.server_argv(build_command(cfg, model_path, cfg.servers.base_port + index)))
-        for index, devices in enumerate(server_devices(cfg))])
+        for index, devices in enumerate(server_devices(cfg))], operating_point=operating_point(cfg, gpu))
+
+
+def operating_point(cfg: RunConfig, gpu: str | None = None) -> dict | None:
+    """The plan of :mod:`regen.servers.capacity` for this config's model, as the dry run shows it;
+    None without a GPU or a config.json to plan from."""
+    detected = detect_gpu_memory_mib()
+    if gpu is None and detected is None:
+        return None
+    if not (Path(cfg.model_path) / "config.json").is_file():
+        return None
+    try:
+        point = capacity.plan_for(cfg, cfg.model_path, gpu or str(detected), cfg.sampling.max_tokens)
+    except ValueError as exc:
+        return {"problem": str(exc)}
+    return {**asdict(point), "summary": point.lines()}
+
+
+def against_plan(cfg: RunConfig, record: ServerRecord) -> str | None:
+    """After launch, on a GPU node: a sentence when this server sized its pools far from the plan
+    (its ``/server_info``), None when close or when there is no plan."""
+    planned = operating_point(cfg)
+    if not planned or "kv_tokens" not in planned:
+        return None
+    adapter = engine(cfg.engine)
+    headers = {"Authorization": f"Bearer {record.api_key}"} if record.api_key else {}
+    for path in adapter.info_paths:
+        try:
+            info = httpx2.get(f"{record.url}{path}", headers=headers, timeout=10).json()
+        except (httpx2.HTTPError, ValueError):
+            continue
+        if isinstance(info, dict):
+            states = [s for s in info.get("internal_states") or [] if isinstance(s, dict)] or [{}]
+            tokens = (states[0].get("memory_usage") or {}).get("token_capacity")
+            note = capacity.compare(planned, tokens, adapter.effective_limit(info, None))
+            return f"server {record.url}: {note}; plan: {' / '.join(planned['summary'])}" if note else None
+    return None
 
 
 def mismatch(record: ServerRecord, cfg: RunConfig, model_path: str, fingerprint: str | None) -> str | None:

@@ -78,6 +78,7 @@ class SimServer:
                 "dp_size": s.dp_size}
         return JSONResponse(server_info(args, s.dp_size, {
             "effective_max_running_requests_per_dp": self.effective,
+            "memory_usage": {"token_capacity": s.prefix_cache_tokens},
             "last_gen_throughput": self.state.throughput(),
             "sim_waited_requests_total": self.state.waited_total,
             "sim_peak_requests_in_flight": self.state.peak,
