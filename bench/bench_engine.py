@@ -168,7 +168,7 @@ def run_client(kind: str, url: str, files: tuple[Path, Path, int], args, round_d
 def start_server(args, tmp: Path):
     """One server through regen's own server manager, as a run starts it."""
     from regen.config import RunConfig
-    from regen.servers.lifecycle import start_servers
+    from regen.servers.lifecycle import launch_servers
 
     common = dict(output=str(tmp / "server"), num_servers=1, base_port=args.port, startup_timeout_s=600,
                   idle_shutdown_s=None,  # the other clients hold no lease: the server must stay
@@ -185,7 +185,7 @@ def start_server(args, tmp: Path):
         from regen.paths import DEMO_MODEL
 
         cfg = RunConfig(**common, model_path=str(DEMO_MODEL), extra_server_args=args.sim_args.split())
-    records = start_servers(cfg, cfg.model_path)
+    records = launch_servers(cfg, cfg.model_path)
     return cfg, records[0].url
 
 
@@ -226,7 +226,7 @@ def main() -> None:
     if args.engine == "vllm" and not (args.vllm_python and args.model):
         sys.exit("needs REGEN_VLLM_PYTHON and REGEN_TRAINED_MODEL (`make vllm-cpu` builds both)")
     from regen.layout import RunLayout
-    from regen.servers.lifecycle import stop_servers
+    from regen.servers.lifecycle import stop_recorded
 
     # The simulator does not stream, and `vllm bench serve` only streams: it measures vLLM only.
     clients = ["regen", "openai", "vllm bench serve"] if args.engine == "vllm" else ["regen", "openai"]
@@ -256,7 +256,7 @@ def main() -> None:
                     rates[kind].append(rate)
                     print(f"round {r}: {kind}: {rate:,.0f} tok/s", flush=True)
         finally:
-            stop_servers(RunLayout(cfg.output), every=True)
+            stop_recorded(RunLayout(cfg.output), every=True)
     median = {k: statistics.median(v) for k, v in rates.items()}
     # Paired: within a round the clients run back to back, so a slow phase of the shared machine
     # weighs on both sides of a ratio; the median of those ratios is the robust comparison.

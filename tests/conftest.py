@@ -71,21 +71,21 @@ def make_config(tmp_path, tiny_model):
 def sim_servers(make_config):
     """Start simulated servers through regen's server manager; always stopped afterwards."""
     from regen.layout import RunLayout
-    from regen.servers.lifecycle import start_servers, stop_servers
+    from regen.servers.lifecycle import launch_servers, stop_recorded
     from regen.servers.records import read_state
 
     started: list = []
 
     def start(**overrides):
         cfg = make_config(**overrides)
-        records = start_servers(cfg, cfg.model_path)
+        records = launch_servers(cfg, cfg.model_path)
         started.append(RunLayout(cfg.output))
         return cfg, records
 
     yield start
     for directory in started:
         records = read_state(directory)
-        stop_servers(directory, every=True, grace_s=5)  # the servers and the node's watchdog
+        stop_recorded(directory, every=True, grace_s=5)  # the servers and the node's watchdog
         assert not any(r.running() for r in records), records
 
 

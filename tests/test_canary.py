@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from regen.canary import CanaryFailed, calls_not_parsed, probe
+from regen.canary import CanaryFailed, calls_not_parsed, canary
 from support.data import TOOLS, agentic_messages, write_jsonl
 from support.paths import ROOT
 
 
 def test_a_healthy_canary_passes_and_estimates_the_run(sim_servers):
     cfg, records = sim_servers(num_servers=2, sim_tokens_per_second=500)
-    estimate = probe(cfg).estimate
+    estimate = canary(cfg).estimate
     assert estimate["prompts"] == 280
     assert estimate["text"].startswith("280 prompts, about ")
     assert "tok/s" in estimate["text"]
@@ -26,7 +26,7 @@ def test_a_healthy_canary_passes_and_estimates_the_run(sim_servers):
 def test_answers_cut_at_max_tokens_fail_the_canary_with_a_sample(sim_servers):
     cfg, records = sim_servers(num_servers=1, max_tokens=20, min_loss_tokens=4)
     with pytest.raises(CanaryFailed) as err:
-        probe(cfg)
+        canary(cfg)
     message = str(err.value)
     assert "answers hit max_tokens 20" in message
     assert "answers are empty" in message  # cut inside the thinking: no answer at all
@@ -36,13 +36,13 @@ def test_answers_cut_at_max_tokens_fail_the_canary_with_a_sample(sim_servers):
 def test_servers_without_thinking_fail_naming_the_reason(sim_servers):
     cfg, records = sim_servers(num_servers=1, sim_ignore_thinking=True)
     with pytest.raises(CanaryFailed, match="without reasoning while enable_thinking is on"):
-        probe(cfg)
+        canary(cfg)
 
 
 def test_thinking_off_on_purpose_is_judged_by_the_loss_mask_only(sim_servers):
     cfg, records = sim_servers(num_servers=1, enable_thinking=False, min_loss_tokens=4,
                                train_template="qwen3-instruct")
-    assert probe(cfg).estimate["prompts"] == 280
+    assert canary(cfg).estimate["prompts"] == 280
 
 
 def test_thinking_off_for_a_thinking_template_fails_the_canary(sim_servers):
@@ -50,7 +50,7 @@ def test_thinking_off_for_a_thinking_template_fails_the_canary(sim_servers):
     a thinking template, are left out of its training data, whatever their length."""
     cfg, records = sim_servers(num_servers=1, enable_thinking=False, train_template="qwen3-thinking")
     with pytest.raises(CanaryFailed, match="degenerate"):
-        probe(cfg)
+        canary(cfg)
 
 
 def test_the_estimate_accounts_for_batching_and_holds_on_the_run(sim_servers, tmp_path):
@@ -61,7 +61,7 @@ def test_the_estimate_accounts_for_batching_and_holds_on_the_run(sim_servers, tm
 
     cfg, records = sim_servers(num_servers=2, sim_tokens_per_second=300, concurrency_per_server=None,
                                extra_server_args=["--sim-batch-slowdown", "0.08", "--max-running-requests", "8"])
-    estimate = probe(cfg).estimate
+    estimate = canary(cfg).estimate
     assert estimate["batch_slowdown"] > 0.02, estimate
     fresh = cfg.model_copy(update={"output": str(tmp_path / "run"), "num_shards": 1})
     result = ShardRun(fresh, [(r.url, r.api_key) for r in records], 0, "m").run()
@@ -80,11 +80,11 @@ def test_a_tool_call_parser_that_does_not_read_the_models_calls_fails_the_canary
         "id": "agent", "tools": TOOLS, "messages": agentic_messages("Agent", [["get_weather"], ["get_time"]])}])
     cfg, records = sim_servers(num_servers=1, prompts=str(prompts), tool_call_parser=parser)
     if parser == "qwen25":
-        agent = probe(cfg).examples[0]  # examples are sorted by id
+        agent = canary(cfg).examples[0]  # examples are sorted by id
         assert (agent["id"], agent["turns"]) == ("agent", 3)  # two calls spliced, then the answer
         return
     with pytest.raises(CanaryFailed) as err:
-        probe(cfg)
+        canary(cfg)
     message = str(err.value)
     assert "1 of 1 agentic conversations came back with no structured tool_calls where the model " \
            "wrote a call" in message
@@ -106,3 +106,34 @@ def test_an_empty_answer_is_a_dropped_call_only_where_the_dataset_calls():
     assert calls_not_parsed([at_the_call, at_the_answer], [prompt]) == [at_the_call]
     as_text = {**at_the_answer, "content": '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'}
     assert calls_not_parsed([as_text], [prompt]) == [as_text]
+
+
+def test_the_concurrency_sweep_measures_each_level_in_its_budget_and_the_shards_keep_its_choice(sim_servers):
+    """canary_sweep_s: a quarter, half and all of each server's slots, each measured; on the
+    simulator throughput only grows with concurrency, so the shards keep every slot. A sweep out
+    of time stops before its next level; a level the sweep chose is what a shard runs at."""
+    from regen.canary import level_to_keep
+    from regen.generate import swept_concurrency
+
+    cfg, records = sim_servers(num_servers=2, sim_tokens_per_second=400, concurrency_per_server=None,
+                               canary_sweep_s=120, extra_server_args=["--sim-effective-max-running-requests", "8",
+                                                                      "--sim-batch-slowdown", "0.05"])
+    sweep = canary(cfg).estimate["sweep"]
+    levels = [m["concurrency_per_server"] for m in sweep["levels"]]
+    assert levels == [3, 6, 12]  # (8 running + the queue margin of 4) per server: a quarter, half, all
+    rates = [m["tokens_per_s"] for m in sweep["levels"]]
+    assert rates == sorted(rates) and sweep["best"] is None and swept_concurrency(cfg) is None
+
+    cfg = cfg.model_copy(update={"canary_sweep_s": 0.001})
+    assert [m["concurrency_per_server"] for m in canary(cfg).estimate["sweep"]["levels"]] == [3]
+
+    measured = [{"concurrency_per_server": c, "tokens_per_s": r} for c, r in ((3, 900.0), (6, 1400.0), (12, 1100.0))]
+    assert level_to_keep(measured, 12) == 6  # past 6 a GPU's pool preempts: fewer in flight deliver more
+    assert level_to_keep(measured[:2], 12) is None  # every slot never measured: no choice
+    assert level_to_keep([*measured[:2], {"concurrency_per_server": 12, "tokens_per_s": 1380.0}], 12) is None
+    progress = Path(cfg.output) / "work" / "progress"
+    doc = json.loads((progress / "canary.json").read_text())
+    doc["estimate"]["sweep"]["best"] = 6
+    (progress / "canary.json").write_text(json.dumps(doc))
+    assert swept_concurrency(cfg) == 6
+    assert swept_concurrency(cfg.model_copy(update={"concurrency_per_server": 4})) is None  # the config decides

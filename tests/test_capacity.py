@@ -87,7 +87,7 @@ def test_the_dry_run_shows_what_limits_a_qwen36_server_and_the_flags_that_raise_
 def test_a_launched_server_far_from_the_plan_is_named(make_config, tmp_path, monkeypatch):
     """On a GPU node (an nvidia-smi that reports an H200) the server's own /server_info is read
     after launch: one that runs 7 requests where the plan says more is named with the plan."""
-    from regen.servers.lifecycle import against_plan, start_servers, stop_records
+    from regen.servers.lifecycle import against_plan, launch_servers, stop_records
 
     smi = tmp_path / "bin" / "nvidia-smi"
     smi.parent.mkdir()
@@ -102,7 +102,7 @@ def test_a_launched_server_far_from_the_plan_is_named(make_config, tmp_path, mon
         cfg = make_config(model_path=str(QWEN36), num_servers=1, output=str(tmp_path / f"out-{effective}"),
                           extra_server_args=["--sim-effective-max-running-requests", str(effective),
                                              "--sim-prefix-cache-tokens", str(tokens)])
-        records = start_servers(cfg, cfg.model_path)
+        records = launch_servers(cfg, cfg.model_path)
         try:
             note = against_plan(cfg, records[0])
         finally:

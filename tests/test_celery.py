@@ -24,7 +24,7 @@ import yaml
 from regen.files import read_json
 from regen.layout import shard_name
 from regen.servers.records import read_state
-from regen.status import node_balance, run_status
+from regen.status import node_balance, status
 from regen.store import Journal
 from support.airflow import AirflowProcesses, airflow_env, trigger_run, wait_run
 from support.data import read_ids
@@ -147,7 +147,7 @@ def test_two_nodes_split_the_work_by_capacity(cluster, make_config, tmp_path):
     balance = node_balance(json.loads((Path(cfg.output) / "progress.json").read_text())["shards"])
     assert balance["makespan_s"] <= 1.15 * balance["ideal_s"], balance
     # One run page: both nodes, their servers (stopped by now) and their shards.
-    view = {n["node"]: n for n in run_status(cfg).nodes}
+    view = {n["node"]: n for n in status(cfg).nodes}
     assert view["a"]["shards_done"] + view["b"]["shards_done"] == 24
     assert view["a"]["reached_by"] == "queue node-a" and view["a"]["shards_done"] > view["b"]["shards_done"]
 

@@ -233,7 +233,7 @@ def test_the_api_key_is_in_no_log_and_no_file_regen_writes(airflow_db, deployed_
     """SGLang (and the simulator, as SGLang does) logs its arguments, API key included: after a
     whole run and after a failed server start, neither the task logs nor any file under the
     output holds the key; the server logs hold the redaction mark instead."""
-    from regen.servers.lifecycle import ServerError, start_servers
+    from regen.servers.lifecycle import ServerError, launch_servers
 
     monkeypatch.setenv("REGEN_KEY_DIR", str(tmp_path / "keys"))
     key = "regen-test-key-" + "k3y" * 8
@@ -243,7 +243,7 @@ def test_the_api_key_is_in_no_log_and_no_file_regen_writes(airflow_db, deployed_
     broken = make_config(api_key=key, output=str(tmp_path / "broken"), num_servers=1)
     (tmp_path / "not-a-model").mkdir()
     with pytest.raises(ServerError) as failed:
-        start_servers(broken, str(tmp_path / "not-a-model"))
+        launch_servers(broken, str(tmp_path / "not-a-model"))
     assert "server_args" in str(failed.value) and key not in str(failed.value)  # the tail, redacted
     logs = capfd.readouterr()
     assert key not in logs.out and key not in logs.err

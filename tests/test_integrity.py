@@ -23,7 +23,7 @@ from regen.layout import RunLayout
 from regen.manifest import Manifest, ManifestError, model_fingerprint, settings_hash
 from regen.pipeline import run
 from regen.preflight import PreflightFailed
-from regen.servers.lifecycle import ServerError, start_servers, stop_records
+from regen.servers.lifecycle import ServerError, launch_servers, stop_records
 from regen.servers.records import read_state
 from regen.store import Journal
 from support.data import FAST, cli, settle, turn_requests, write_prompts
@@ -153,18 +153,18 @@ def test_a_recorded_server_that_does_not_match_is_never_used(make_config, tiny_m
     shutil.copytree(tiny_model, other_model)
     (other_model / "extra.bin").write_bytes(b"another checkpoint")
     cfg = make_config(num_servers=1)
-    first = start_servers(cfg, cfg.model_path, run_id="dag/run-1")
+    first = launch_servers(cfg, cfg.model_path, run_id="dag/run-1")
     try:
         with pytest.raises(ServerError, match=r"belongs to run 'dag/run-1'.*serves model"):
-            start_servers(cfg, str(other_model), run_id="dag/run-2")
+            launch_servers(cfg, str(other_model), run_id="dag/run-2")
         with pytest.raises(ServerError, match=r"launched with other arguments.*--max-running-requests"):
-            start_servers(cfg.model_copy(update={"max_running_requests": 4}), cfg.model_path,
+            launch_servers(cfg.model_copy(update={"max_running_requests": 4}), cfg.model_path,
                           run_id="dag/run-2")
-        shared = start_servers(cfg, cfg.model_path, run_id="dag/test-run")  # same model, same args
+        shared = launch_servers(cfg, cfg.model_path, run_id="dag/test-run")  # same model, same args
         assert [r.pid for r in shared] == [r.pid for r in first]
         assert run("stop_servers", cfg, run_id="dag/test-run").stopped == 0
         assert first[0].running()  # the test run's teardown left the owner's server alone
-        relaunched = start_servers(cfg.model_copy(update={"max_running_requests": 4}), cfg.model_path,
+        relaunched = launch_servers(cfg.model_copy(update={"max_running_requests": 4}), cfg.model_path,
                                    run_id="dag/run-1")  # the owner itself: relaunched, not refused
         assert relaunched[0].pid != first[0].pid and not first[0].running()
     finally:

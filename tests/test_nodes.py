@@ -7,7 +7,7 @@ import pytest
 
 from regen.config import ConfigError, RunConfig
 from regen.placement import NoNodeAnswers, claim_node
-from regen.servers.lifecycle import start_servers, stop_servers
+from regen.servers.lifecycle import launch_servers, stop_recorded
 from regen.status import node_balance
 from support.processes import free_port_base
 
@@ -33,23 +33,23 @@ def test_a_node_overrides_the_run_and_a_bad_node_is_named():
 def test_shards_claim_the_node_with_room_and_never_a_silent_one(make_config, tmp_path):
     cfg = nodes_config(make_config, tmp_path)
     a = cfg.for_node("a")
-    start_servers(a, a.model_path)  # node b's servers never started: it does not answer
+    launch_servers(a, a.model_path)  # node b's servers never started: it does not answer
     try:
         with claim_node(cfg, [0]) as first, claim_node(cfg, [1]) as second:
             assert first.name == second.name == "a"
             # Node a's two slots are taken and node b is silent: a third shard waits, then gives up.
             with pytest.raises(NoNodeAnswers, match="no node of this run answers"):
-                stop_servers(a.layout, every=True)
+                stop_recorded(a.layout, every=True)
                 with claim_node(cfg, [2], give_up_after_s=0):
                     pass
         b = cfg.for_node("b")
-        start_servers(a, a.model_path)
-        start_servers(b, b.model_path)
+        launch_servers(a, a.model_path)
+        launch_servers(b, b.model_path)
         with claim_node(cfg, [0]) as first, claim_node(cfg, [1]) as second:
             assert {first.name, second.name} == {"a", "b"}  # each takes the node with the most room
     finally:
         for name in ("a", "b"):
-            stop_servers(cfg.for_node(name).layout, every=True)
+            stop_recorded(cfg.for_node(name).layout, every=True)
 
 
 def test_balance_counts_each_nodes_busy_time_once():
@@ -66,15 +66,15 @@ def test_balance_counts_each_nodes_busy_time_once():
 
 def test_a_trigger_cannot_change_the_dags_nodes(make_config, tmp_path):
     """Each node's tasks go to its queue when the DAG is parsed: preflight refuses other nodes."""
-    from regen.preflight import PreflightFailed, check
+    from regen.preflight import PreflightFailed, preflight
 
     cfg = nodes_config(make_config, tmp_path)
     with pytest.raises(PreflightFailed, match=r"nodes \['a', 'b'\] differ from the nodes this DAG was built for"):
-        check(cfg, code=False, dag_nodes=["a"])
-    assert check(cfg, code=False, dag_nodes=["a", "b"]).shards
+        preflight(cfg, code=False, dag_nodes=["a"])
+    assert preflight(cfg, code=False, dag_nodes=["a", "b"]).shards
     one = make_config(queue="gpu-b")  # a one-node DAG built for gpu-a's queue: its tasks go there
     with pytest.raises(PreflightFailed, match="queue 'gpu-b' differs from the queue this DAG was built for 'gpu-a'"):
-        check(one, code=False, dag_nodes=[], dag_queue="gpu-a")
+        preflight(one, code=False, dag_nodes=[], dag_queue="gpu-a")
     with pytest.raises(ConfigError, match="queue: a run over several nodes takes each node's own queue"):
         RunConfig.from_mapping({"queue": "gpu-a", "nodes": [{"name": "a"}]})
 
@@ -92,17 +92,17 @@ def test_a_task_on_the_wrong_worker_touches_none_of_the_nodes_servers(make_confi
     layout = cfg.layout
     monkeypatch.setenv("REGEN_NODE_NAME", "gpu-a")
     run("preflight", cfg, code=False)
-    records = start_servers(cfg, cfg.model_path, run_id="dag/run-1")
+    records = launch_servers(cfg, cfg.model_path, run_id="dag/run-1")
     state = layout.servers_state.read_bytes()
 
     monkeypatch.setenv("REGEN_NODE_NAME", "gpu-b")
     with pytest.raises(ServerError, match="servers run on node gpu-a; this task runs on gpu-b"):
         run("generate", cfg, shards=[0], run_id="dag/run-1")
     with pytest.raises(ServerError, match="gpu-a.*gpu-b"):
-        start_servers(cfg, cfg.model_path, run_id="dag/run-1")
+        launch_servers(cfg, cfg.model_path, run_id="dag/run-1")
     with pytest.raises(ServerError, match="gpu-a.*gpu-b"):
         relaunch(layout, 0)
-    assert stop_servers(layout, run_id="dag/run-1", every=True)[0] == 0
+    assert stop_recorded(layout, run_id="dag/run-1", every=True)[0] == 0
     assert "recorded on node gpu-a" in watch(layout, idle_shutdown_s=0.1, poll_s=0.05)
     assert layout.servers_state.read_bytes() == state
     assert not list(cfg.layout.data.glob("*.parquet"))
@@ -113,5 +113,5 @@ def test_a_task_on_the_wrong_worker_touches_none_of_the_nodes_servers(make_confi
         monkeypatch.setenv("REGEN_NODE_NAME", "gpu-b")
 
     monkeypatch.setenv("REGEN_NODE_NAME", "gpu-a")
-    assert stop_servers(layout, run_id="dag/run-1")[0] == 2
+    assert stop_recorded(layout, run_id="dag/run-1")[0] == 2
     assert not any(is_healthy(r.url) for r in records)

@@ -242,7 +242,7 @@ def test_conversations_specforge_refuses_fail_preflight_or_are_skipped_never_sen
     """Each rule counted with examples before any GPU time; with skip_invalid they are listed in
     work/skipped.jsonl and left out of the prompt index (nothing of them can be sent)."""
     from regen.manifest import Manifest
-    from regen.preflight import check
+    from regen.preflight import preflight
 
     prompts = tmp_path / "p.jsonl"
     records = [{"id": "ok", "prompt": "fine"},
@@ -255,7 +255,7 @@ def test_conversations_specforge_refuses_fail_preflight_or_are_skipped_never_sen
                            f"role_order 1, tool_message 1); fix them, or set skip_invalid to leave them out")
     assert any(f"{prompts}:2: role_order" in p for p in problems)
     cfg = make_config(prompts=str(prompts), skip_invalid=True)
-    result = check(cfg, code=False)
+    result = preflight(cfg, code=False)
     assert result.info["skipped_conversations"] == {"role_order": 1, "leading_assistant": 1, "tool_message": 1}
     skipped = [json.loads(line) for line in cfg.layout.skipped_prompts.read_text().splitlines()]
     assert sorted(s["line"] for s in skipped) == [2, 3, 4] and {s["rule"] for s in skipped} == {

@@ -14,30 +14,30 @@ import pytest
 
 from regen.layout import RunLayout
 from regen.procs import session_pids
-from regen.servers.lifecycle import ServerError, build_command, port_is_free, start_servers, stop_records, stop_servers
+from regen.servers.lifecycle import ServerError, build_command, port_is_free, launch_servers, stop_records, stop_recorded
 from regen.servers.records import ServerRecord
 from support.processes import processes_with_args
 
 
 def test_start_health_and_stop_leave_no_process_or_port(make_config):
     cfg = make_config(num_servers=2)
-    records = start_servers(cfg, cfg.model_path)
+    records = launch_servers(cfg, cfg.model_path)
     assert [r.port for r in records] == [cfg.servers.base_port, cfg.servers.base_port + 1]
     assert all(session_pids(r.pid) for r in records)
     layout = RunLayout(cfg.output)
     assert all(layout.server_log(r.index).exists() for r in records)
     assert oct(layout.servers_state.stat().st_mode & 0o777) == "0o600"  # API key
-    assert stop_servers(layout)[0] == 2
+    assert stop_recorded(layout)[0] == 2
     for r in records:
         assert session_pids(r.pid) == []
         assert port_is_free(cfg.servers.host, r.port)
-    assert stop_servers(layout)[0] == 0  # a second teardown is harmless
+    assert stop_recorded(layout)[0] == 0  # a second teardown is harmless
 
 
 def test_start_is_idempotent_and_reuses_healthy_servers(sim_servers):
     cfg, first = sim_servers(num_servers=2)
     stop_records([first[1]], grace_s=5)  # one server died
-    second = start_servers(cfg, cfg.model_path)
+    second = launch_servers(cfg, cfg.model_path)
     assert second[0].pid == first[0].pid  # healthy: reused
     assert second[1].pid != first[1].pid  # gone: restarted
     assert second[1].api_key == first[0].api_key  # one key for the run
@@ -50,7 +50,7 @@ def test_a_taken_port_fails_fast_naming_it(make_config):
         sock.listen()
         started = time.monotonic()
         with pytest.raises(ServerError, match=f"port {cfg.servers.base_port + 1} on 127.0.0.1 already in use"):
-            start_servers(cfg, cfg.model_path)
+            launch_servers(cfg, cfg.model_path)
         assert time.monotonic() - started < 2
     assert processes_with_args("--port", str(cfg.servers.base_port)) == []  # nothing was launched
 
@@ -59,7 +59,7 @@ def test_a_server_that_crashes_while_starting_fails_with_its_log_tail(make_confi
     cfg = make_config(num_servers=2, startup_timeout_s=600)
     started = time.monotonic()
     with pytest.raises(ServerError) as err:
-        start_servers(cfg, str(tmp_path / "no-model-here"))
+        launch_servers(cfg, str(tmp_path / "no-model-here"))
     assert time.monotonic() - started < 10
     assert "exited with code 1 while starting" in str(err.value)
     assert "no config.json" in str(err.value)  # the log's last lines
@@ -69,7 +69,7 @@ def test_a_server_that_crashes_while_starting_fails_with_its_log_tail(make_confi
 
 def test_teardown_kills_children_that_ignore_sigterm(make_config):
     cfg = make_config(num_servers=1, extra_server_args=["--sim-orphan-child"])
-    records = start_servers(cfg, cfg.model_path)
+    records = launch_servers(cfg, cfg.model_path)
     assert len(session_pids(records[0].pid)) == 2  # the server and its stubborn child (the log relay is apart)
     left = stop_records(records, grace_s=1)
     assert left == []
@@ -81,7 +81,7 @@ def test_the_recorded_pid_is_the_server_and_its_log_relay_can_die(make_config):
     the server itself, still running and reused afterwards (a relaunch would cost minutes of
     loading on a GPU node)."""
     cfg = make_config(num_servers=1)
-    records = start_servers(cfg, cfg.model_path)
+    records = launch_servers(cfg, cfg.model_path)
     try:
         cmdline = open(f"/proc/{records[0].pid}/cmdline", "rb").read().split(b"\0")
         assert b"sim" in cmdline and b"regen.logrelay" not in cmdline
@@ -89,10 +89,10 @@ def test_the_recorded_pid_is_the_server_and_its_log_relay_can_die(make_config):
         assert len(relays) == 1
         os.kill(relays[0], 9)
         assert records[0].running()
-        again = start_servers(cfg, cfg.model_path)
+        again = launch_servers(cfg, cfg.model_path)
         assert again[0].pid == records[0].pid
     finally:
-        stop_servers(RunLayout(cfg.output))
+        stop_recorded(RunLayout(cfg.output))
 
 
 def test_the_log_relay_survives_a_full_disk_and_says_what_it_lost(tmp_path):
@@ -129,11 +129,11 @@ def test_a_model_path_with_shell_metacharacters_runs_no_command(make_config, tin
     evil = tmp_path / "model; touch PWNED; $(touch PWNED2)"
     shutil.copytree(tiny_model, evil)
     cfg = make_config(num_servers=1, model_path=str(evil))
-    records = start_servers(cfg, cfg.model_path)
+    records = launch_servers(cfg, cfg.model_path)
     try:
         assert records[0].launch[records[0].launch.index("--model-path") + 1] == str(evil)
     finally:
-        stop_servers(RunLayout(cfg.output))
+        stop_recorded(RunLayout(cfg.output))
     assert not list(tmp_path.rglob("PWNED*"))
     assert not list(RunLayout(cfg.output).servers.rglob("PWNED*"))
 
@@ -177,7 +177,8 @@ def test_a_vllm_server_on_the_cpu_runs_its_model_in_the_engine_core_and_the_node
     assert server_env(3, vllm.launch_env(3))["CUDA_VISIBLE_DEVICES"] == "3"
 
 
-FAKE_SMI = "#!/bin/sh\nprintf '0\\n1\\n2\\n3\\n4\\n5\\n6\\n7\\n'\n"
+FAKE_SMI = ("#!/bin/sh\ncase \"$*\" in *memory.total*) printf '81559\\n%.0s' 1 2 3 4 5 6 7 8 ;;\n"
+            "*) printf '0\\n1\\n2\\n3\\n4\\n5\\n6\\n7\\n' ;; esac\n")
 
 
 @pytest.fixture
@@ -214,11 +215,11 @@ def fake_smi(tmp_path, monkeypatch):
 def test_servers_run_on_the_gpus_the_worker_was_given(make_config, fake_smi, mask, gpus, tp, dp, expected):
     """Each server's GPUs come from the worker's CUDA_VISIBLE_DEVICES (tp_size x dp_size of them,
     server i the i-th group), and are what that server's own CUDA_VISIBLE_DEVICES becomes."""
-    from regen.servers.lifecycle import plan, server_env
+    from regen.servers.lifecycle import server_env, server_plan
 
     fake_smi(mask)
     cfg = make_config(engine="sglang", gpus=gpus, num_servers=2, tp_size=tp, dp_size=dp)
-    servers = plan(cfg).servers
+    servers = server_plan(cfg).servers
     assert [s.cuda_visible_devices for s in servers] == expected
     assert [s.port for s in servers] == [cfg.servers.base_port + i for i in range(len(expected))]
     assert [server_env(s.cuda_visible_devices).get("CUDA_VISIBLE_DEVICES") for s in servers if s.cuda_visible_devices] \
@@ -278,7 +279,7 @@ def test_the_key_is_on_no_command_line_and_the_server_still_requires_it(make_con
 
     key = "regen-argv-test-key-" + "q7" * 10
     cfg = make_config(num_servers=1, api_key=key, extra_server_args=["--sim-orphan-child"])
-    records = start_servers(cfg, cfg.model_path)
+    records = launch_servers(cfg, cfg.model_path)
     try:
         cmdlines = [p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline") if _readable(p)]
         assert not [c for c in cmdlines if key.encode() in c]
@@ -290,7 +291,7 @@ def test_the_key_is_on_no_command_line_and_the_server_still_requires_it(make_con
         assert children  # the simulator's child, started after the key was taken out of the environment
         assert all(key.encode() not in Path(f"/proc/{pid}/environ").read_bytes() for pid in children)
     finally:
-        stop_servers(RunLayout(cfg.output))
+        stop_recorded(RunLayout(cfg.output))
 
 
 def _readable(path: Path) -> bool:
@@ -335,7 +336,7 @@ def test_the_output_folder_is_data_never_commands(make_config, tmp_path):
 
     cfg = make_config(num_servers=1)
     layout = RunLayout(cfg.output)
-    records = start_servers(cfg, cfg.model_path)
+    records = launch_servers(cfg, cfg.model_path)
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
     marker, victim = tmp_path / "payload-ran", tmp_path / "not-a-log"
     victim.write_text("precious\n")
@@ -356,7 +357,7 @@ def test_the_output_folder_is_data_never_commands(make_config, tmp_path):
             {"pid": bystander.pid, "start_ticks": procs.start_ticks(bystander.pid), "idle_shutdown_s": 1}))
         ensure_watchdog(layout, 30)
         stop_watchdog(layout)
-        stop_servers(layout, every=True)
+        stop_recorded(layout, every=True)
         assert bystander.poll() is None  # never signalled
         assert not marker.exists()
         assert victim.read_text() == "precious\n" and oct(victim.stat().st_mode & 0o777) == "0o600"

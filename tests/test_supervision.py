@@ -19,7 +19,7 @@ import yaml
 
 from regen.layout import RunLayout
 from regen.pipeline import run
-from regen.servers.lifecycle import start_servers, stop_records
+from regen.servers.lifecycle import launch_servers, stop_records
 from regen.servers.records import read_state
 from support.airflow import trigger_run, wait_run
 from support.data import read_ids, write_prompts
@@ -138,7 +138,7 @@ def test_abandoned_servers_stop_by_themselves(make_config, tmp_path):
     started by `regen serve --config FILE`."""
     cfg = make_config(num_servers=2, idle_shutdown_s=3)
     started = time.monotonic()
-    records = start_servers(cfg, cfg.model_path)
+    records = launch_servers(cfg, cfg.model_path)
     wait_until(lambda: read_state(RunLayout(cfg.output)) == [], 15, "idle shutdown")
     assert time.monotonic() - started < 3 + 5  # the idle time, a poll, the stop
     assert not any(r.running() for r in records)
@@ -159,7 +159,7 @@ def test_the_watchdog_watches_from_the_first_record_and_never_idles_a_loading_se
     record, stops them once the start's lease is gone."""
     slow = ["--sim-startup-delay", "5"]
     cfg = make_config(num_servers=1, idle_shutdown_s=1, extra_server_args=slow)
-    records = start_servers(cfg, cfg.model_path)
+    records = launch_servers(cfg, cfg.model_path)
     assert records[0].running()  # loaded for 5 s under a 1 s idle shutdown, and not stopped
     wait_until(lambda: read_state(RunLayout(cfg.output)) == [], 15, "idle shutdown after the start")
 
@@ -214,7 +214,7 @@ def test_leases_and_slots_work_where_exclusive_locks_need_a_writable_descriptor(
     assert probe.stdout.strip() == "9"  # EBADF: the shim behaves as NFSv4
 
     cfg = make_config(num_servers=2, num_shards=1, idle_shutdown_s=300, sim_tokens_per_second=2000)
-    records = start_servers(cfg, cfg.model_path)
+    records = launch_servers(cfg, cfg.model_path)
     layout = RunLayout(cfg.output)
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(json.loads(cfg.model_dump_json())))
@@ -448,7 +448,7 @@ def test_a_second_run_on_an_output_is_refused_at_preflight_naming_the_first(make
     cfg = make_config(num_servers=1)
     layout = RunLayout(cfg.output)
     run("preflight", cfg, code=False, run_id="regenerate_a/run-1")
-    records = start_servers(cfg, cfg.model_path, run_id="regenerate_a/run-1")
+    records = launch_servers(cfg, cfg.model_path, run_id="regenerate_a/run-1")
     manifest = layout.manifest.read_bytes()
     try:
         with pytest.raises(PreflightFailed, match="held by run regenerate_a/run-1"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -193,6 +194,9 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
             f"servers' parser (tool_call_parser {cfg.engine_options.tool_call_parser!r}) does not read "
             f"this model's calls; set it to the one for its call format; e.g. {json.dumps(sample)}")
     result.estimate = estimate_run(alone, together, total, len(endpoints), slots, cfg.generation.queue_margin)
+    sweep_s = cfg.canary.sweep_s if cfg.canary.sweep_s is not None else (0 if cfg.engine == "sim" else SWEEP_S)
+    if sweep_s and not result.problems and not cfg.generation.concurrency_per_server:
+        result.estimate["sweep"] = sweep_concurrency(quick, rest, endpoints, slots // servers, sweep_s)
     RunProgress(cfg.output).write_section("canary", {
         "passed": not result.problems, "problems": result.problems, "samples": n,
         "estimate": result.estimate,
@@ -201,10 +205,52 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
     return result
 
 
+SWEEP_S = 120.0  # the sweep's default budget on a GPU engine
+SWEEP_TOKENS = 512  # each answer of the sweep is cut here: it measures rates, not answers
+SWEEP_GAIN = 0.05  # fewer requests in flight are kept only when this much faster
+
+
+def sweep_concurrency(cfg: RunConfig, prompts: list[Prompt], endpoints: list[tuple[str, str | None]],
+                      slots_per_server: int, budget_s: float) -> dict:
+    """Delivered tok/s with a quarter, half and all of each server's slots filled, within
+    ``budget_s`` (a level is started only while time is left; answers are cut at SWEEP_TOKENS).
+    A GPU can deliver more with fewer requests in flight (a hybrid model's state pool, KV cache
+    pressure that preempts); ``best`` is the level the shards keep: the full one unless a lower
+    one is SWEEP_GAIN faster."""
+    levels = sorted({max(1, slots_per_server // 4), max(1, slots_per_server // 2), max(1, slots_per_server)})
+    short = cfg.model_copy(update={"max_tokens": min(cfg.sampling.max_tokens, SWEEP_TOKENS)})
+    measured, started = [], time.monotonic()
+    for level in levels:
+        if time.monotonic() - started >= budget_s:
+            break
+        batch = [prompts[i % len(prompts)] for i in range(level * len(endpoints))]
+        began = time.monotonic()
+        rows, _ = generate_rows(short.model_copy(update={"concurrency_per_server": level}), batch, endpoints)
+        took = max(time.monotonic() - began, 1e-3)
+        tokens = sum(t for t, _ in _rates(rows))
+        measured.append({"concurrency_per_server": level, "tokens_per_s": round(tokens / took, 1),
+                         "seconds": round(took, 2)})
+    keep = level_to_keep(measured, levels[-1])
+    log.info("canary sweep: %s; the shards keep %s", ", ".join(
+        f"{m['concurrency_per_server']} per server {m['tokens_per_s']:,.0f} tok/s" for m in measured),
+        f"{keep} per server" if keep else "every slot")
+    return {"levels": measured, "best": keep}
+
+
+def level_to_keep(measured: list[dict], every_slot: int) -> int | None:
+    """The fastest level when it beats every slot filled by SWEEP_GAIN; None (every slot) when
+    not, or when the sweep ran out of time before it measured every slot."""
+    if not measured or measured[-1]["concurrency_per_server"] != every_slot:
+        return None
+    top, best = measured[-1], max(measured, key=lambda m: m["tokens_per_s"])
+    faster = best is not top and best["tokens_per_s"] > top["tokens_per_s"] * (1 + SWEEP_GAIN)
+    return best["concurrency_per_server"] if faster else None
+
+
 EXAMPLE_CHARS = 600  # of each example's reasoning and answer, for a person approving the run
 
 
-def probe(cfg: RunConfig, run_id: str | None = None) -> CanaryReport:
+def canary(cfg: RunConfig, run_id: str | None = None) -> CanaryReport:
     """The canary stage, against the servers start_servers recorded (with ``run_id``, brought up
     here when they are gone, as a shard does)."""
     servers = servers_for(cfg, run_id)

@@ -25,6 +25,7 @@ from regen.config import RunConfig
 from regen.coordination import FairShare, end_approval_hold
 from regen.dispatch import ClientTuning, ServerPool, open_endpoints, scrape_metrics
 from regen.errors import ShardFailed
+from regen.files import read_json
 from regen.layout import RunLayout, shard_key
 from regen.manifest import Manifest, ShardPrompts, model_fingerprint, prompt_hash, settings_hash, template_kwargs
 from regen.placement import servers_for
@@ -334,6 +335,15 @@ class ShardRun:
                      pool.stayed, pool.moved)
 
 
+def swept_concurrency(cfg: RunConfig) -> int | None:
+    """The requests per server the canary's sweep chose for this output (None: every slot)."""
+    if cfg.generation.concurrency_per_server:
+        return None
+    canary = read_json(cfg.layout.progress_part("canary")) or {}
+    best = ((canary.get("estimate") or {}).get("sweep") or {}).get("best")
+    return best if isinstance(best, int) and 1 <= best <= 4096 else None
+
+
 def generate(cfg: RunConfig, shards: list[int], endpoints: list[str] | None = None,
              model_from: str = "servers", strict_index: bool = False, run_id: str | None = None,
              give_up_after_s: float | None = None, deadline_s: float | None = None) -> GenerateResult:
@@ -347,6 +357,9 @@ def generate(cfg: RunConfig, shards: list[int], endpoints: list[str] | None = No
     the prompt file is indexed here when needed. ``give_up_after_s``: how long every server may
     be down before the shard fails (a run over several nodes retries it on another).
     ``deadline_s``: how long this attempt may take (:func:`shard_deadline_s`)."""
+    if (swept := swept_concurrency(cfg)) is not None:
+        log.info("concurrency per server: %d, the canary sweep's best", swept)
+        cfg = cfg.model_copy(update={"concurrency_per_server": swept})
     if endpoints:
         pairs = [(url, cfg.servers.api_key) for url in endpoints]
         identity = model_fingerprint(cfg.model_path) if model_from == "model_path" else None

@@ -31,7 +31,7 @@ from regen.machine import node_name
 from regen.manifest import Manifest
 from regen.servers import lifecycle
 from regen.servers.records import ServerRecord, read_state
-from regen.weights import stage_weights
+from regen.weights import staged_model
 
 log = logging.getLogger("regen.placement")
 
@@ -115,6 +115,6 @@ def bring_up(cfg: RunConfig, run_id: str) -> list[ServerRecord]:
     model = Manifest(layout).read().get("model") or {}
     path, fingerprint = model.get("path"), model.get("fingerprint")
     if not path or not Path(path).is_dir():
-        staged = stage_weights(cfg)
+        staged = staged_model(cfg)
         path, fingerprint = staged.path, staged.fingerprint
-    return lifecycle.start_servers(cfg, path, run_id, fingerprint)
+    return lifecycle.launch_servers(cfg, path, run_id, fingerprint)

@@ -388,11 +388,11 @@ def check_ports(cfg: RunConfig, report: PreflightReport) -> None:
     """The servers this node would launch (the plan ``regen serve --dry-run`` prints) fit its
     GPUs, and their ports are free or already ours."""
     from regen.servers.gpus import GpuLayoutError
-    from regen.servers.lifecycle import is_healthy, plan, port_is_free
+    from regen.servers.lifecycle import is_healthy, port_is_free, server_plan
     from regen.servers.records import read_state
 
     try:
-        servers = plan(cfg).servers
+        servers = server_plan(cfg).servers
     except GpuLayoutError as exc:
         report.problems.append(str(exc))
         return
@@ -455,11 +455,11 @@ def run_preflight(cfg: RunConfig, code: bool = True, max_map_length: int | None 
     return report
 
 
-def prepare_node(cfg: RunConfig) -> StagedModel:
+def stage_weights(cfg: RunConfig) -> StagedModel:
     """The stage_weights stage of one node: a listed node's own checks first, on that node's
     interpreter (its code, engine, model, staging space and ports; the run's own node had them
     in preflight), then its weights staged."""
-    from regen.weights import stage_weights
+    from regen.weights import staged_model
 
     if not cfg.this_node().is_run_node:
         report = run_preflight(cfg, scope="node")
@@ -467,7 +467,7 @@ def prepare_node(cfg: RunConfig) -> StagedModel:
             raise PreflightFailed([f"node {cfg.node}: {problem}" for problem in report.problems])
         log.info("node %s: preflight passed in %.1f s (engine %s; %s)", cfg.node, report.seconds, cfg.engine,
                  plan_line(report.info.get("servers", [])))
-    return stage_weights(cfg)
+    return staged_model(cfg)
 
 
 def live_runs(cfg: RunConfig) -> set[str]:
@@ -487,7 +487,7 @@ def live_runs(cfg: RunConfig) -> set[str]:
     return runs
 
 
-def check(cfg: RunConfig, code: bool = True, run_id: str = "cli",
+def preflight(cfg: RunConfig, code: bool = True, run_id: str = "cli",
           max_map_length: int | None = None, dag_nodes: list[str] | None = None,
           dag_queue: str | None = None) -> PreflightResult:
     """The preflight stage: every check, here, with this interpreter; PreflightFailed listing

@@ -1,7 +1,7 @@
 """The registry of stages: what a task or a command can run, where it runs, and what it returns.
 
-A stage is a function of a RunConfig in its own module, named here by ``module:function`` and
-imported only when it runs: preflight must be able to report a broken module (a SyntaxError
+A stage is a function of a RunConfig named as the stage (``start_servers`` is
+``regen.servers.lifecycle.start_servers``), in the module named here, imported only when it runs: preflight must be able to report a broken module (a SyntaxError
 such as the seed's) without importing it first. The same registry is what preflight's import
 check imports in a fresh interpreter (:func:`entry_modules`) and what a node runs by name
 (``regen run-stage NAME``): nothing else runs by name.
@@ -30,7 +30,7 @@ class Where(enum.Enum):
 @dataclass(frozen=True)
 class Stage:
     name: str
-    target: str  # module:function
+    module: str  # where the function named as the stage lives
     result: type[results.StageResult]
     where: Where
     takes_run_id: bool = False
@@ -41,10 +41,6 @@ class Stage:
     deadline_s: float = 3600.0
     plus_startup_timeout: bool = False
 
-    @property
-    def module(self) -> str:
-        return self.target.split(":")[0]
-
     def deadline(self, startup_timeout_s: float, kwargs: dict | None = None) -> float:
         """This stage's deadline with these servers (their startup timeout) and arguments."""
         given = (kwargs or {}).get("deadline_s")
@@ -53,27 +49,26 @@ class Stage:
         return self.deadline_s + (startup_timeout_s if self.plus_startup_timeout else 0.0)
 
     def function(self) -> Callable[..., results.StageResult]:
-        module, name = self.target.split(":")
-        return getattr(importlib.import_module(module), name)
+        return getattr(importlib.import_module(self.module), self.name)
 
 
 STAGES: dict[str, Stage] = {stage.name: stage for stage in (
-    Stage("preflight", "regen.preflight:check", results.PreflightResult, Where.RUN, takes_run_id=True),
-    Stage("stage_weights", "regen.preflight:prepare_node", results.StagedModel, Where.NODE,
+    Stage("preflight", "regen.preflight", results.PreflightResult, Where.RUN, takes_run_id=True),
+    Stage("stage_weights", "regen.preflight", results.StagedModel, Where.NODE,
           deadline_s=6 * 3600.0),  # a terabyte of weights from a slow share
-    Stage("start_servers", "regen.servers.lifecycle:serve", results.ServersUp, Where.NODE, takes_run_id=True,
+    Stage("start_servers", "regen.servers.lifecycle", results.ServersUp, Where.NODE, takes_run_id=True,
           deadline_s=900.0, plus_startup_timeout=True),
-    Stage("canary", "regen.canary:probe", results.CanaryReport, Where.EVERY_NODE, takes_run_id=True,
+    Stage("canary", "regen.canary", results.CanaryReport, Where.EVERY_NODE, takes_run_id=True,
           deadline_s=2 * 3600.0),
-    Stage("generate", "regen.generate:generate", results.GenerateResult, Where.CLAIM, takes_run_id=True,
+    Stage("generate", "regen.generate", results.GenerateResult, Where.CLAIM, takes_run_id=True,
           deadline_s=7 * 24 * 3600.0),  # without a canary's estimate: a week
-    Stage("stop_servers", "regen.servers.lifecycle:teardown", results.ServersStopped, Where.NODE,
+    Stage("stop_servers", "regen.servers.lifecycle", results.ServersStopped, Where.NODE,
           takes_run_id=True, deadline_s=900.0),
-    Stage("audit", "regen.audit.dataset:audit_run", results.AuditResult, Where.AFTER_GENERATION,
+    Stage("audit", "regen.audit.dataset", results.AuditResult, Where.AFTER_GENERATION,
           deadline_s=6 * 3600.0),
-    Stage("server_plan", "regen.servers.lifecycle:plan", results.ServerPlan, Where.NODE, deadline_s=300.0),
-    Stage("server_logs", "regen.servers.lifecycle:tail_logs", results.ServerLogs, Where.NODE, deadline_s=300.0),
-    Stage("status", "regen.status:run_status", results.RunStatus, Where.RUN, deadline_s=60.0),
+    Stage("server_plan", "regen.servers.lifecycle", results.ServerPlan, Where.NODE, deadline_s=300.0),
+    Stage("server_logs", "regen.servers.lifecycle", results.ServerLogs, Where.NODE, deadline_s=300.0),
+    Stage("status", "regen.status", results.RunStatus, Where.RUN, deadline_s=60.0),
 )}
 
 # Programs regen starts as processes of their own (beside the stages, which import the rest).

@@ -93,7 +93,7 @@ def node_balance(shards: dict[str, dict]) -> dict[str, Any]:
             "ideal_s": round(ideal, 2) if ideal else None}
 
 
-def run_status(cfg: RunConfig) -> RunStatus:
+def status(cfg: RunConfig) -> RunStatus:
     """The status stage: run_data of the run's output, read where the output lives."""
     data = run_data(cfg.layout)
     progress = data["progress"]

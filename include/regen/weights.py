@@ -149,7 +149,7 @@ def verify_copy(src: Path, copy: Path, manifest: dict[str, dict]) -> dict[str, s
     return checksums
 
 
-def stage_weights(cfg: RunConfig) -> StagedModel:
+def staged_model(cfg: RunConfig) -> StagedModel:
     """The path the servers load (the staged copy, or the source when staging is off) and its
     fingerprint, computed once, from that copy, into the run manifest."""
     if not cfg.stage_weights:

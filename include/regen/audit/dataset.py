@@ -199,7 +199,7 @@ def sample_views(layout: RunLayout, samples: Path, tokenizer_dir: str, threshold
     return viewer.build(list(rows.values()), results, why, load_tokenizer(tokenizer_dir), thresholds)
 
 
-def audit_run(cfg: RunConfig, data: str | None = None, tokenizer: str | None = None,
+def audit(cfg: RunConfig, data: str | None = None, tokenizer: str | None = None,
               report_dir: str | None = None) -> AuditResult:
     """The audit stage: AuditFailed (with the five-line summary) when the data fails. ``data``
     takes an output directory or its data/ (default: the run's output)."""

@@ -231,10 +231,17 @@ class CanaryOptions(Options):
     """The few real requests before the shards start, and the optional approval after them."""
 
     section: ClassVar[str] = "Canary"
-    flat_names: ClassVar[dict[str, str]] = {"size": "canary_size", "approve": "approve_after_canary"}
+    flat_names: ClassVar[dict[str, str]] = {"size": "canary_size", "approve": "approve_after_canary",
+                                            "sweep_s": "canary_sweep_s"}
 
     size: int = Field(8, ge=1, le=1000, title="Canary prompts",
                       description="Real requests sent through the full path before the shards start.")
+    sweep_s: float | None = Field(
+        None, ge=0, le=3600, title="Concurrency sweep (s)",
+        description="Seconds the canary may spend measuring delivered tok/s with a quarter, half and all of "
+        "each server's request slots filled; the shards then keep the best, unless concurrency_per_server "
+        "is set. Empty: 120 on a GPU engine, 0 (off) on the simulator, whose throughput only grows with "
+        "concurrency.")
     approve: bool = Field(
         False, title="Approve after the canary",
         description="A person approves the run in Airflow (human-in-the-loop task) after reading the "

@@ -53,7 +53,7 @@ def detect_gpu_memory_mib() -> int | None:
                              capture_output=True, text=True, timeout=30, check=True).stdout
     except (subprocess.SubprocessError, OSError):
         return None
-    sizes = [int(line.strip()) for line in out.splitlines() if line.strip().isdigit()]
+    sizes = [int(line.strip()) for line in out.splitlines() if line.strip().isdigit() and int(line.strip()) > 0]
     return min(sizes) if sizes else None
 
 

@@ -103,7 +103,7 @@ def node_lock(layout: RunLayout):
         yield
 
 
-def plan(cfg: RunConfig, model_path: str | None = None, gpu: str | None = None) -> ServerPlan:
+def server_plan(cfg: RunConfig, model_path: str | None = None, gpu: str | None = None) -> ServerPlan:
     """What start_servers would launch on this node, started nowhere: each server's port, GPUs
     and command line (as the process will show it: without its key), and on a named or detected
     GPU what each server can run and what limits it."""
@@ -124,8 +124,8 @@ def operating_point(cfg: RunConfig, gpu: str | None = None) -> dict | None:
         return None
     try:
         point = capacity.plan_for(cfg, cfg.model_path, gpu or str(detected), cfg.sampling.max_tokens)
-    except ValueError as exc:
-        return {"problem": str(exc)}
+    except (ValueError, KeyError, TypeError) as exc:  # weights too large, or a config it cannot read
+        return {"problem": f"{cfg.model_path}: no operating point: {exc}"}
     return {**asdict(point), "summary": point.lines()}
 
 
@@ -164,7 +164,7 @@ def mismatch(record: ServerRecord, cfg: RunConfig, model_path: str, fingerprint:
     return None
 
 
-def start_servers(cfg: RunConfig, model_path: str, run_id: str = "cli",
+def launch_servers(cfg: RunConfig, model_path: str, run_id: str = "cli",
                   fingerprint: str | None = None) -> list[ServerRecord]:
     """Healthy servers of this config, reusing what already serves it; idempotent."""
     layout = cfg.layout
@@ -348,7 +348,7 @@ def _port_released(host: str, port: int, wait_s: float = 5.0) -> bool:
     return True
 
 
-def stop_servers(layout: RunLayout, run_id: str = "cli", every: bool = False,
+def stop_recorded(layout: RunLayout, run_id: str = "cli", every: bool = False,
                  grace_s: float = 30.0, keep_watchdog: bool = False) -> tuple[int, list[ServerRecord]]:
     """Teardown: stop this run's servers (``every``: whoever owns them) and check that nothing
     of them is left; (how many stopped, the others' records). Safe to repeat."""
@@ -400,14 +400,14 @@ def recorded(cfg: RunConfig) -> list[ServerRecord]:
 
 # --- the stages ---------------------------------------------------------------------------------
 
-def serve(cfg: RunConfig, served_model_path: str | None = None, run_id: str = "cli") -> ServersUp:
+def start_servers(cfg: RunConfig, served_model_path: str | None = None, run_id: str = "cli") -> ServersUp:
     """The start_servers stage: healthy servers serving ``served_model_path`` (the staged copy),
     owned by ``run_id``; the model's identity goes into the run manifest."""
     model_path = served_model_path or cfg.model_path
     manifest = Manifest(cfg.layout)
     staged = manifest.read().get("model") or {}
     fingerprint = staged.get("fingerprint") if staged.get("path") == model_path else None
-    records = start_servers(cfg, model_path, run_id, fingerprint)
+    records = launch_servers(cfg, model_path, run_id, fingerprint)
     manifest.update(model={**staged, "path": model_path, "fingerprint": records[0].model_fingerprint,
                            "served": [r.public() for r in records],
                            "launch": records[0].launch})
@@ -416,11 +416,11 @@ def serve(cfg: RunConfig, served_model_path: str | None = None, run_id: str = "c
                      summary=f"{len(urls)} server(s) healthy: {', '.join(urls)}")
 
 
-def teardown(cfg: RunConfig, run_id: str = "cli", every: bool = False) -> ServersStopped:
+def stop_servers(cfg: RunConfig, run_id: str = "cli", every: bool = False) -> ServersStopped:
     """The stop_servers stage: this run's servers (``every``: all recorded ones), and the hold of
     an approval that was rejected or never answered."""
     end_approval_hold(cfg.layout)
-    stopped, others = stop_servers(cfg.layout, run_id, every)
+    stopped, others = stop_recorded(cfg.layout, run_id, every)
     release_output(cfg.layout, run_id)
     summary = f"stopped {stopped} server(s)"
     if others:
@@ -428,7 +428,7 @@ def teardown(cfg: RunConfig, run_id: str = "cli", every: bool = False) -> Server
     return ServersStopped(stopped=stopped, left=[r.public() for r in others], summary=summary)
 
 
-def tail_logs(cfg: RunConfig, lines: int = 40) -> ServerLogs:
+def server_logs(cfg: RunConfig, lines: int = 40) -> ServerLogs:
     """The last lines of every recorded server's log."""
     records = read_state(cfg.layout)
     text = "\n".join(f"==> server {r.index} (port {r.port}, pid {r.pid}): {r.log_path}\n"

@@ -30,7 +30,7 @@ import time
 from regen.alerts import send
 from regen.coordination import abandoned, approval_pending, live_leases
 from regen.layout import RunLayout
-from regen.servers.lifecycle import START_LEASE, relaunch, stop_servers
+from regen.servers.lifecycle import START_LEASE, relaunch, stop_recorded
 from regen.servers.records import read_state
 
 log = logging.getLogger("regen.watchdog")
@@ -76,12 +76,12 @@ def watch(layout: RunLayout, idle_shutdown_s: float | None, poll_s: float = 1.0)
         elif not any(record.running() for record in records):
             return "no server running and no shard needs one"
         elif abandoned(layout, START_LEASE):  # its starter died while they loaded: no task will use them
-            stopped, _ = stop_servers(layout, every=True, keep_watchdog=True)
+            stopped, _ = stop_recorded(layout, every=True, keep_watchdog=True)
             reason = f"the start of the servers was killed before they were up: stopped {stopped} at once"
             log.info(reason)
             return reason
         elif idle_shutdown_s and now - last_active >= idle_shutdown_s:
-            stopped, _ = stop_servers(layout, every=True, keep_watchdog=True)
+            stopped, _ = stop_recorded(layout, every=True, keep_watchdog=True)
             reason = f"no shard used the servers for {idle_shutdown_s:.0f} s: stopped {stopped}"
             log.info(reason)
             return reason
