@@ -179,6 +179,11 @@ def test_the_audit_counts_agentic_rows_and_the_viewer_shows_their_calls(sim_serv
                                                "argument_diffs": 6 * 4 + 3 + 1,
                                                "divergences": {"another function": 1}}
         assert any(line.startswith("agentic: 8 rows, 35 steps, 28 recorded results") for line in report.lines())
+        assert report.passed  # 1 of 8 ended at a divergence; no bound given
+        for bound, passed in ((0.1, False), (0.125, True)):
+            bounded = audit_dataset(cfg.output, tiny_model, tmp_path / f"{layout}-{bound}",
+                                    AuditThresholds(1, 1.0, train_layout=layout, max_divergence_fraction=bound))
+            assert bounded.passed is passed and bounded.to_json()["divergence_fraction"] == 0.125
         findings = {s["id"]: s["findings"] for s in pq.read_table(tmp_path / layout / "samples.parquet").to_pylist()}
         assert not [i for i, f in findings.items() if "retokenized_differs" in f or "degenerate" in f], findings
         views = json.loads((tmp_path / layout / "samples_view.json").read_text())

@@ -28,9 +28,12 @@ def test_answers_cut_at_max_tokens_fail_the_canary_with_a_sample(sim_servers):
     with pytest.raises(CanaryFailed) as err:
         canary(cfg)
     message = str(err.value)
-    assert "answers hit max_tokens 20" in message
+    assert "answers hit max_tokens 20 (above max_truncated_fraction 10%): raise max_tokens" in message
     assert "answers are empty" in message  # cut inside the thinking: no answer at all
     assert '"finish_reason": "length"' in message
+    with pytest.raises(CanaryFailed) as err:  # the bound is the run's: every answer cut may be what it wants
+        canary(cfg.model_copy(update={"max_truncated_fraction": 1.0}))
+    assert "hit max_tokens" not in str(err.value) and "answers are empty" in str(err.value)
 
 
 def test_servers_without_thinking_fail_naming_the_reason(sim_servers):
@@ -43,6 +46,25 @@ def test_thinking_off_on_purpose_is_judged_by_the_loss_mask_only(sim_servers):
     cfg, records = sim_servers(num_servers=1, enable_thinking=False, min_loss_tokens=4,
                                train_template="qwen3-instruct")
     assert canary(cfg).estimate["prompts"] == 280
+
+
+def test_thinking_asked_off_that_comes_back_thinking_fails_the_canary_and_the_audit(sim_servers, tmp_path):
+    """The mirror of the seed's disaster: the request said no thinking, the server thought anyway
+    (a template that ignores the flag); with a reasoning parser the trace is split off and every
+    other check passes."""
+    from regen.audit.dataset import audit_rows
+    from regen.audit.findings import AuditThresholds
+    from regen.generate import generate_rows
+    from regen.prompts import read_prompts
+
+    cfg, records = sim_servers(num_servers=1, enable_thinking=False, min_loss_tokens=4,
+                               train_template="qwen3-instruct", extra_server_args=["--sim-always-think"])
+    with pytest.raises(CanaryFailed, match=r"8 of 8 answers came back with reasoning while enable_thinking is off"):
+        canary(cfg)
+    rows, _ = generate_rows(cfg, list(read_prompts(cfg.prompts))[:4], [(r.url, r.api_key) for r in records])
+    summary, _, results = audit_rows(rows, cfg.model_path, AuditThresholds.from_config(cfg), False)
+    assert all({"thinking_mode_mismatch", "degenerate"} <= set(r["findings"]) for r in results)
+    assert summary.counts["thinking_mode_mismatch"] == len(results) > 0
 
 
 def test_thinking_off_for_a_thinking_template_fails_the_canary(sim_servers):
@@ -137,3 +159,17 @@ def test_the_concurrency_sweep_measures_each_level_in_its_budget_and_the_shards_
     (progress / "canary.json").write_text(json.dumps(doc))
     assert swept_concurrency(cfg) == 6
     assert swept_concurrency(cfg.model_copy(update={"concurrency_per_server": 4})) is None  # the config decides
+
+
+def test_agentic_conversations_that_all_end_at_their_first_step_fail_the_canary(sim_servers, tmp_path):
+    """A model that never calls what the data recorded: every agentic row would stop at step 0
+    (the audit's max_divergence_fraction would fail the run days later)."""
+
+    diverging = [{"id": f"d{i}", "tools": TOOLS, "messages": agentic_messages(
+        f"D{i}", [["get_time"], ["get_weather"]], recorded=[["get_date"], ["get_weather"]])} for i in range(3)]
+    chat = [json.loads(line) for line in (ROOT / "demo" / "prompts.jsonl").read_text().splitlines()[:5]]
+    cfg, records = sim_servers(num_servers=1, tool_call_parser="qwen25",
+                               prompts=str(write_jsonl(tmp_path / "p.jsonl", diverging + chat)))
+    with pytest.raises(CanaryFailed, match=r"agentic conversations ended at their first step: the model called "
+                                           r"other tools than the recorded ones"):
+        canary(cfg)

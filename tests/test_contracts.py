@@ -47,7 +47,10 @@ def metric_samples(text: str) -> list[str]:
 def bodies(cfg, engine_name: str) -> list[dict]:
     """The request bodies regen sends to this engine: default sampling, and every option set."""
     out = []
-    for c in (cfg, cfg.model_copy(update={"seed": 7, "top_k": None, "enable_thinking": False})):
+    every = {"seed": 7, "min_p": 0.05, "presence_penalty": 1.5, "repetition_penalty": 1.05,
+             "chat_template_kwargs": {"preserve_thinking": True}}
+    none = {"temperature": None, "top_p": None, "top_k": None, "enable_thinking": False}
+    for c in (cfg, cfg.model_copy(update=every), cfg.model_copy(update=none)):
         generator = Generator(None, c, ClientTuning(), lambda row: None)
         endpoint = Endpoint(url="http://127.0.0.1:1", api_key=None, engine=engine(engine_name), model="m")
         out.append(msgspec.json.decode(msgspec.json.encode(generator.payload(endpoint, Request("x", CONVERSATION)))))

@@ -137,6 +137,20 @@ def test_a_shard_with_too_many_errors_fails_and_keeps_what_it_finished(sim_serve
     assert not (tmp_path / "ds" / "data").exists()
 
 
+def test_the_error_bound_is_the_shards_across_attempts_not_each_attempts(sim_servers, tmp_path):
+    """Errors no retry fixes (a prompt past the context) stay in the shard: its retry counts them,
+    and fails before sending anything, rather than pass with more errors than the bound."""
+    cfg, records = sim_servers(num_servers=1)
+    huge = [json.dumps({"id": f"too-long-{i}", "prompt": "word " * 9000}) for i in range(3)]
+    prompts = subset(tmp_path, 20, extra=huge)
+    for attempt in (1, 2):
+        before = sim_requests_total(records[0].url)
+        with pytest.raises(ShardFailed, match=r"3 of 23 prompts failed \(more than max_error_fraction 10%\)"):
+            generate_shard(prompts, tmp_path / "ds", endpoints(records), max_error_fraction=0.1)
+        if attempt == 2:
+            assert sim_requests_total(records[0].url) == before  # nothing sent: the bound was already passed
+
+
 def test_no_server_answering_fails_with_what_to_do(tmp_path):
     with pytest.raises(ShardFailed, match="no server answers .* start them first"):
         generate_shard(PROMPTS, tmp_path / "ds", [("http://127.0.0.1:9", None)])
@@ -341,3 +355,29 @@ def test_preflights_disk_estimate_covers_a_running_shards_journal_and_its_file(s
         journal.append(row)
     journal.close()
     assert (tmp_path / "journal.jsonl").stat().st_size + published <= estimate
+
+
+def test_sampling_left_empty_is_not_sent_and_every_option_set_arrives(sim_servers, tmp_path):
+    """Null sampling fields reach the server as absent (its generation_config decides); the
+    penalties, min_p and extra chat template arguments arrive as set, beside enable_thinking."""
+    from regen.generate import generate_rows
+    from regen.prompts import read_prompts
+    from regen.protocol import SAMPLING_FIELDS
+
+    log = tmp_path / "requests.jsonl"
+    cfg, records = sim_servers(num_servers=1, temperature=None, top_p=None, top_k=None,
+                               extra_server_args=["--sim-request-log", str(log)])
+    prompts = list(read_prompts(cfg.prompts))[:2]
+    endpoints = [(r.url, r.api_key) for r in records]
+    generate_rows(cfg, prompts, endpoints)
+    sent = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sent and all(not set(SAMPLING_FIELDS) & set(body) for body in sent)
+    assert all(body["chat_template_kwargs"] == {"enable_thinking": True} for body in sent)
+
+    log.unlink()
+    options = {"temperature": 0.0, "min_p": 0.05, "presence_penalty": 1.5, "repetition_penalty": 1.05}
+    generate_rows(cfg.model_copy(update={**options, "chat_template_kwargs": {"preserve_thinking": True}}),
+                  prompts, endpoints)
+    sent = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sent and all({k: body.get(k) for k in options} == options for body in sent)
+    assert all(body["chat_template_kwargs"] == {"preserve_thinking": True, "enable_thinking": True} for body in sent)

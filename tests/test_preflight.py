@@ -118,6 +118,25 @@ def test_a_missing_engine_interpreter_hides_no_other_engine_problem(make_config,
     assert any(p.startswith("reasoning_parser: empty while enable_thinking is on") for p in problems)
 
 
+def test_an_engine_that_needs_a_gpu_with_none_visible_is_refused(make_config, tmp_path, monkeypatch):
+    """SGLang on a machine with no GPU in sight was planned as "2 servers on CPU" and passed."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no nvidia-smi
+    problems = problems_for(make_config, engine="sglang")
+    assert any(p.startswith("engine sglang: needs a GPU per server and none is visible here "
+                            "(CUDA_VISIBLE_DEVICES unset; nvidia-smi not found)") for p in problems), problems
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert any("CUDA_VISIBLE_DEVICES ''" in p for p in problems_for(make_config, engine="sglang"))
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\nprintf '0\\n1\\n'\n")
+    smi.chmod(0o755)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("PATH", f"{smi.parent}:/usr/bin:/bin")
+    assert not any("needs a GPU" in p for p in problems_for(make_config, engine="sglang"))
+    assert not any("needs a GPU" in p for p in problems_for(make_config))  # the simulator runs on a CPU
+
+
 def test_a_clean_config_has_no_problem(make_config):
     assert problems_for(make_config) == []
 

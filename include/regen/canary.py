@@ -26,7 +26,7 @@ from regen.prompts import Prompt, read_prompts
 from regen.results import CanaryReport
 from regen.servers.lifecycle import against_plan
 from regen.toolcalls import written_call
-from regen.turns import Conversation, steps
+from regen.turns import TOOL_DIVERGENCE, Conversation, steps
 from regen.units import format_duration
 
 log = logging.getLogger("regen.canary")
@@ -178,11 +178,16 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
     if cfg.enable_thinking:
         check("missing_reasoning", "answers came back without reasoning while enable_thinking is "
               "on (is the server's reasoning parser set, or thinking disabled on the server?)")
+    if not cfg.enable_thinking:
+        check("thinking_mode_mismatch", "answers came back with reasoning while enable_thinking is off (the "
+              "request's chat_template_kwargs did nothing: does the chat template read enable_thinking?)", limit=0.0)
     check("empty_answer", "answers are empty")
     check("degenerate", f"samples are degenerate (loss mask under min_loss_tokens "
           f"{cfg.audit.min_loss_tokens}, or no reasoning while thinking is on): the audit's limit of "
           f"{cfg.audit.max_degenerate_fraction:.1%} would not hold", plausible=cfg.audit.max_degenerate_fraction)
-    check("truncated", f"answers hit max_tokens {cfg.sampling.max_tokens}", limit=0.5)
+    check("truncated", f"answers hit max_tokens {cfg.sampling.max_tokens} (above max_truncated_fraction "
+          f"{cfg.canary.max_truncated_fraction:.0%}): raise max_tokens, the model's traces are longer",
+          limit=cfg.canary.max_truncated_fraction)
     agentic = [r for r in rows if r.get("tools")]
     written = calls_not_parsed(agentic, prompts)
     if written:  # every such row ends at its first call: the run would keep nothing after it
@@ -193,6 +198,14 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
             f"tool_calls where the model wrote a call (its text in the answer, or an empty answer): the "
             f"servers' parser (tool_call_parser {cfg.engine_options.tool_call_parser!r}) does not read "
             f"this model's calls; set it to the one for its call format; e.g. {json.dumps(sample)}")
+    at_first_step = [r for r in agentic if r not in written and (r.get("divergence") or "").startswith(FIRST_STEP)]
+    if agentic and len(at_first_step) == len(agentic):  # not one conversation got past its first call
+        sample = {"id": at_first_step[0]["id"], "divergence": at_first_step[0]["divergence"]}
+        result.problems.append(
+            f"canary: {len(at_first_step)} of {len(agentic)} agentic conversations ended at their first step: the "
+            f"model called other tools than the recorded ones, so no recorded result could be spliced and the run "
+            f"would keep one step of each (max_divergence_fraction {cfg.audit.max_divergence_fraction:.0%} would not "
+            f"hold); check the model, its tools and tool_call_parser; e.g. {json.dumps(sample)}")
     result.estimate = estimate_run(alone, together, total, len(endpoints), slots, cfg.generation.queue_margin)
     sweep_s = cfg.canary.sweep_s if cfg.canary.sweep_s is not None else (0 if cfg.engine == "sim" else SWEEP_S)
     if sweep_s and not result.problems and not cfg.generation.concurrency_per_server:
@@ -205,6 +218,7 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
     return result
 
 
+FIRST_STEP = f"{TOOL_DIVERGENCE}: step 0:"
 SWEEP_S = 120.0  # the sweep's default budget on a GPU engine
 SWEEP_TOKENS = 512  # each answer of the sweep is cut here: it measures rates, not answers
 SWEEP_GAIN = 0.05  # fewer requests in flight are kept only when this much faster

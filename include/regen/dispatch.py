@@ -96,6 +96,11 @@ class Endpoint:
 # at least half as fast as on the fastest server with a free slot (a slower one would finish the
 # tail's last turns later than a recomputed prefix costs elsewhere).
 AFFINITY_MIN_SPEED = 0.5
+# Before the tail a request may also wait in its prefix's home's own queue, this many beyond the
+# server's slots, rather than recompute the prefix on a server with a free slot: that slot goes to
+# the next request of the feed, so no slot idles, and a shared system prompt stays warm on few
+# servers (as SGLang's cache-aware router keeps it) instead of on every one.
+AFFINITY_QUEUE = 2
 # Shared prefixes (system prompt and tools) remembered, most recent first.
 SHARED_PREFIXES = 4096
 
@@ -103,8 +108,9 @@ SHARED_PREFIXES = 4096
 class ServerPool:
     """Dispatch within per-server limits, prefix affinity, and health probing of dropped servers.
 
-    A request takes a free slot at once whenever there is one: the drain never holds a request
-    back while a server has room (the DAG's mapped shards on one node hand each other their slots
+    A request takes a free slot at once whenever there is one (or, before the tail, a place in
+    its prefix's home's queue: AFFINITY_QUEUE): the drain never holds a request back while a
+    server has room (the DAG's mapped shards on one node hand each other their slots
     in the tail through :class:`regen.coordination.FairShare`; a request kept waiting for a
     faster server would leave those slots idle).
     """
@@ -175,6 +181,12 @@ class ServerPool:
                 if len(healthy) > 1 and avoid in healthy:
                     healthy.remove(avoid)  # a retry goes to another server where there is one
                 free = [e for e in healthy if e.in_flight < e.limit]
+                home = None if self.draining else next(
+                    (e for e in prefer or () if e in healthy and e.in_flight < e.limit + AFFINITY_QUEUE), None)
+                if home is not None and home not in free:
+                    self.stayed += 1
+                    home.in_flight += 1
+                    return home
                 if free:
                     self._down_since = None
                     pick = self._choose(free, prefer or [])

@@ -185,6 +185,8 @@ class ShardRun:
                          "model and settings (%s); nothing to send", store.name, store.final)
                 continue
             shard.pending = set(shard.prompts.ids) - settled
+            # An earlier attempt's failures stay failures: the error bound is the shard's, not the attempt's.
+            shard.failed = len(store.failed_for_good(shard.prompts.hashes, self.settings_hash) & settled)
             shard.resumed = store.turns_done(shard.prompts.hashes, self.settings_hash)
             for prompt_id in shard.pending:
                 self.shard_of[prompt_id] = shard
@@ -194,6 +196,8 @@ class ShardRun:
                 log.info("%s: %d conversations resume after their last finished turn", store.name,
                          len(set(shard.resumed) & shard.pending))
         work = [s for s in self.shards.values() if not s.up_to_date]
+        for shard in work:
+            self._check_errors(shard)  # a retry past the bound already fails before it sends anything
         self.demand = sum(s.turns_left(i, all_turns) for s in work for i in s.pending)
         return work
 
@@ -324,6 +328,8 @@ class ShardRun:
             self._report()
             check_overdue(self.layout)
             work = [s for s in self.shards.values() if not s.up_to_date]
+        for shard in work:
+            self._check_errors(shard)  # a retry past the bound already fails before it sends anything
             total = sum(s.total for s in work)
             done = sum(s.skipped + s.done for s in work)
             rows_s, tok_s = self.gen.rates()

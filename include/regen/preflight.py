@@ -397,6 +397,13 @@ def check_ports(cfg: RunConfig, report: PreflightReport) -> None:
         report.problems.append(str(exc))
         return
     report.info["servers"] = [s.model_dump() for s in servers]
+    if engine(cfg.engine).needs_gpu and any(s.cuda_visible_devices is None for s in servers):
+        mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+        smi = shutil.which("nvidia-smi")
+        report.problems.append(
+            f"engine {cfg.engine}: needs a GPU per server and none is visible here (CUDA_VISIBLE_DEVICES "
+            f"{'unset' if mask is None else repr(mask)}; nvidia-smi {'lists none' if smi else 'not found'}): run "
+            f"on a GPU node (its Celery queue or SSH connection), or rehearse on a CPU with engine sim")
     ours = {r.port for r in read_state(cfg.layout) if is_healthy(r.url)}
     taken = [s.port for s in servers if s.port not in ours and not port_is_free(cfg.servers.host, s.port)]
     if taken:

@@ -18,6 +18,9 @@ class ReadsResponses(Protocol):
     def token_ids(self, body: dict, choice: dict) -> tuple[list[int] | None, list[int] | None]: ...
 
 
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "repetition_penalty", "seed")
+
+
 def chat_request(model: str, messages: list[dict], sampling: dict[str, Any],
                  engine_fields: dict[str, Any], tools: list[dict] | None = None) -> dict[str, Any]:
     """A non-streamed chat completion: ``sampling`` as RunConfig.sampling_settings() gives it,
@@ -27,15 +30,13 @@ def chat_request(model: str, messages: list[dict], sampling: dict[str, Any],
         "model": model,
         "messages": messages,
         "max_tokens": sampling["max_tokens"],
-        "temperature": sampling["temperature"],
-        "top_p": sampling["top_p"],
-        "chat_template_kwargs": {"enable_thinking": sampling["enable_thinking"]},
+        "chat_template_kwargs": {**(sampling.get("chat_template_kwargs") or {}),
+                                 "enable_thinking": sampling["enable_thinking"]},
         "stream": False,
     }
-    if sampling["top_k"] is not None:
-        body["top_k"] = sampling["top_k"]
-    if sampling["seed"] is not None:
-        body["seed"] = sampling["seed"]
+    for name in SAMPLING_FIELDS:  # a field left empty is not sent: the model's generation_config decides
+        if sampling.get(name) is not None:
+            body[name] = sampling[name]
     if tools:
         body["tools"] = tools
     body.update(engine_fields)

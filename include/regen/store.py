@@ -89,6 +89,11 @@ class Journal:
                     yield row
 
 
+def _ours(row: dict, hashes: dict[str, str], settings_hash: str) -> bool:
+    """A row of this run: its id's prompt as indexed, sent with this run's settings."""
+    return hashes.get(row["id"]) == row.get("prompt_hash") and row.get("settings_hash") == settings_hash
+
+
 class ShardStore:
     """The files of one shard of one output directory."""
 
@@ -129,26 +134,35 @@ class ShardStore:
         """(ids that need no new request, ids the shard file holds now). A row settles its id when
         it is this run's (the id's prompt hash, this settings hash) and good, or failed in a way no
         retry fixes (a 4xx); rows of other prompts or settings settle nothing."""
-        def ours(row: dict) -> bool:
-            return (hashes.get(row["id"]) == row.get("prompt_hash")
-                    and row.get("settings_hash") == settings_hash)
-
         settled: set[str] = set()
         file_ids: set[str] = set()
         if self.final.exists():
             table = pq.read_table(self.final, columns=["id", "error", "prompt_hash", "settings_hash"])
             for row in table.to_pylist():
                 file_ids.add(row["id"])
-                if ours(row) and row["error"] is None:
+                if _ours(row, hashes, settings_hash) and row["error"] is None:
                     settled.add(row["id"])
-        for row in Journal.rows(self.journal_path):
-            if not ours(row):
-                continue
-            if row.get("error") is None or not row.get("retryable", False):
-                settled.add(row["id"])
+        for prompt_id, verdict in self._journal_verdicts(hashes, settings_hash).items():
+            if verdict == "retry":
+                settled.discard(prompt_id)
             else:
-                settled.discard(row["id"])
+                settled.add(prompt_id)
         return settled, file_ids
+
+    def failed_for_good(self, hashes: dict[str, str], settings_hash: str) -> set[str]:
+        """This run's ids whose last journalled row failed in a way no retry fixes (a 4xx): an
+        earlier attempt's failures, which count against the shard's error bound on a retry."""
+        return {i for i, verdict in self._journal_verdicts(hashes, settings_hash).items() if verdict == "failed"}
+
+    def _journal_verdicts(self, hashes: dict[str, str], settings_hash: str) -> dict[str, str]:
+        """Per id of this run's journalled rows, its last row's verdict: good, failed (for good)
+        or retry."""
+        verdicts: dict[str, str] = {}
+        for row in Journal.rows(self.journal_path):
+            if _ours(row, hashes, settings_hash):
+                verdicts[row["id"]] = ("good" if row.get("error") is None
+                                       else "retry" if row.get("retryable", False) else "failed")
+        return verdicts
 
     def turns_done(self, hashes: dict[str, str], settings_hash: str) -> dict[str, list[dict]]:
         """Per conversation cut mid-way in an earlier attempt: the answers of its finished turns."""

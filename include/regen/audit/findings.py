@@ -19,6 +19,7 @@ FINDINGS = (
     "duplicate_id",        # the id appears more than once
     "degenerate",          # loss mask under min_loss_tokens, or thinking asked and none came back
     "missing_reasoning",   # thinking was on and no reasoning came back
+    "thinking_mode_mismatch",  # thinking was off and reasoning (or a think marker) came back anyway
     "truncated",           # finish_reason length
     "truncated_in_thinking",  # cut off before </think>: no answer at all
     "empty_answer",        # nothing after the reasoning
@@ -71,11 +72,13 @@ class AuditThresholds:
     train_template: str = "qwen3-thinking"
     train_max_length: int | None = None
     train_layout: str = "auto"  # events | conversation; auto: resolved with the tokenizer (regen.chat.render)
+    max_divergence_fraction: float = 1.0
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "AuditThresholds":
         a = cfg.audit
-        return cls(a.min_loss_tokens, a.max_degenerate_fraction, a.train_template, a.train_max_length, a.train_layout)
+        return cls(a.min_loss_tokens, a.max_degenerate_fraction, a.train_template, a.train_max_length, a.train_layout,
+                   a.max_divergence_fraction)
 
 
 @dataclass
@@ -100,6 +103,11 @@ class AuditSummary:
     @property
     def degenerate_fraction(self) -> float:
         return self.fraction("degenerate")
+
+    @property
+    def divergence_fraction(self) -> float:
+        """Of the agentic rows, those a divergence ended early."""
+        return sum(self.agentic["divergences"].values()) / self.agentic["rows"] if self.agentic["rows"] else 0.0
 
 
 def mark_duplicates(results: list[dict], seen_ids: set[str]) -> None:
@@ -167,7 +175,8 @@ class AuditReport:
     @property
     def passed(self) -> bool:
         return self.summary.audited > 0 and not any(self.summary.counts[f] for f in PROVENANCE) and (
-            self.summary.degenerate_fraction <= self.thresholds.max_degenerate_fraction)
+            self.summary.degenerate_fraction <= self.thresholds.max_degenerate_fraction) and (
+            self.summary.divergence_fraction <= self.thresholds.max_divergence_fraction)
 
     def verdict(self) -> str:
         return "PASS" if self.passed else "FAIL"
@@ -180,7 +189,9 @@ class AuditReport:
             "audited": s.audited,
             "degenerate_fraction": round(s.degenerate_fraction, 6),
             "thresholds": {"min_loss_tokens": self.thresholds.min_loss_tokens,
-                           "max_degenerate_fraction": self.thresholds.max_degenerate_fraction},
+                           "max_degenerate_fraction": self.thresholds.max_degenerate_fraction,
+                           "max_divergence_fraction": self.thresholds.max_divergence_fraction},
+            "divergence_fraction": round(s.divergence_fraction, 6),
             "train_view": {"template": self.thresholds.train_template,
                            "layout": self.thresholds.train_layout,
                            "max_length": self.thresholds.train_max_length,
@@ -230,7 +241,8 @@ class AuditReport:
         ended = ", ".join(f"{kind} {n:,}" for kind, n in sorted(a["divergences"].items()))
         return (f"agentic: {a['rows']:,} rows, {a['steps']:,} steps, {a['spliced_results']:,} recorded results "
                 f"spliced after the model's own calls, {a['argument_diffs']:,} calls with other arguments than "
-                f"recorded; {sum(a['divergences'].values()):,} ended at a divergence" + (f" ({ended})" if ended else ""))
+                f"recorded; {sum(a['divergences'].values()):,} ended at a divergence" + (f" ({ended})" if ended else "")
+                + f" (fraction {self.summary.divergence_fraction:.4f}, limit {self.thresholds.max_divergence_fraction:.4f})")
 
 
 def _stats(values: list[int]) -> dict[str, Any]:

@@ -47,6 +47,8 @@ def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds,
         reasonings = [row.get("reasoning_content")] + [m.get("reasoning_content") for m in _regenerated(row)]
         if thinking and not all((r or "").strip() for r in reasonings):
             findings.append("missing_reasoning")
+        if not thinking and (any((r or "").strip() for r in reasonings) or fmt.think_end in content):
+            findings.append("thinking_mode_mismatch")  # the request's thinking off did nothing
         if row.get("finish_reason") == "length":
             findings.append("truncated")
             if (fmt.think_start in content and fmt.think_end not in content) or (
@@ -64,7 +66,8 @@ def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds,
             findings.append("retokenized_differs")
         if row.get("left_out"):
             findings.append("left_out")
-        if count.loss < thresholds.min_loss_tokens or "missing_reasoning" in findings or row.get("left_out"):
+        if count.loss < thresholds.min_loss_tokens or row.get("left_out") or (
+                "missing_reasoning" in findings or "thinking_mode_mismatch" in findings):
             findings.append("degenerate")
     return results
 

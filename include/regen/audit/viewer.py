@@ -40,7 +40,7 @@ def pick(samples_parquet: Path, seed: int = 0) -> dict[str, str]:
         for finding in s["findings"]:
             by_finding.setdefault(finding, []).append(s)
     for finding, items in sorted(by_finding.items()):
-        if finding in ("degenerate", "degenerate_after_cut", "missing_reasoning"):
+        if finding in ("degenerate", "degenerate_after_cut", "missing_reasoning", "thinking_mode_mismatch"):
             items = sorted(items, key=lambda s: s["loss_tokens"])
         elif finding in ("cut", "truncated"):
             items = sorted(items, key=lambda s: -(s["tokens"] or 0))

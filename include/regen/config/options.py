@@ -175,12 +175,36 @@ class SamplingOptions(Options):
     section: ClassVar[str] = "Sampling"
 
     max_tokens: int = Field(4096, ge=1, title="Max output tokens")
-    temperature: float = Field(0.6, ge=0, le=2, title="Temperature")
-    top_p: float = Field(0.95, gt=0, le=1, title="Top-p")
-    top_k: int | None = Field(20, ge=1, title="Top-k")
+    # Qwen3's thinking recipe (its model card) by default; null: not sent, the server applies the
+    # model's generation_config.
+    temperature: float | None = Field(0.6, ge=0, le=2, title="Temperature",
+                                      description="Empty: not sent (the model's generation_config decides).")
+    top_p: float | None = Field(0.95, gt=0, le=1, title="Top-p",
+                                description="Empty: not sent (the model's generation_config decides).")
+    top_k: int | None = Field(20, ge=1, title="Top-k",
+                              description="Empty: not sent (the model's generation_config decides).")
+    min_p: float | None = Field(None, ge=0, le=1, title="Min-p", description="Empty: not sent.")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, title="Presence penalty",
+                                           description="Empty: not sent. Qwen's cards suggest 0 to 2 "
+                                           "against endless repetition in long traces.")
+    repetition_penalty: float | None = Field(None, gt=0, le=2, title="Repetition penalty",
+                                             description="Empty: not sent.")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, title="Chat template arguments",
+        description="Sent beside enable_thinking in every request's `chat_template_kwargs` (e.g. Qwen3.6's "
+        "`preserve_thinking`). SpecForge's training renders without them, and so does the audit. "
+        "`enable_thinking` is a field of its own.")
     seed: int | None = Field(
         None, title="Seed",
         description="Sent with each request; SGLang ignores it unless deterministic inference is on.")
+
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_enable_thinking(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if "enable_thinking" in value:
+            raise ValueError("enable_thinking is its own field (enable_thinking), not a chat template argument")
+        return value
 
 
 class GenerationOptions(Options):
@@ -236,6 +260,10 @@ class CanaryOptions(Options):
 
     size: int = Field(8, ge=1, le=1000, title="Canary prompts",
                       description="Real requests sent through the full path before the shards start.")
+    max_truncated_fraction: float = Field(
+        0.1, ge=0, le=1, title="Max truncated fraction",
+        description="The canary fails when more of its answers than this hit max_tokens (their traces do not "
+        "close: the export drops them, biasing the data toward short reasoning), naming the value to raise.")
     sweep_s: float | None = Field(
         None, ge=0, le=3600, title="Concurrency sweep (s)",
         description="Seconds the canary may spend measuring delivered tok/s with a quarter, half and all of "
@@ -263,6 +291,11 @@ class AuditOptions(Options):
     max_degenerate_fraction: float = Field(
         0.01, ge=0, le=1, title="Max degenerate fraction",
         description="The audit fails the run above this fraction of degenerate samples.")
+    max_divergence_fraction: float = Field(
+        0.05, ge=0, le=1, title="Max divergence fraction",
+        description="The audit fails the run when more agentic rows than this ended early because the model "
+        "called other tools than the recorded step (a model that does not behave like the data: every such row "
+        "stops at its divergence).")
     train_template: TrainTemplate = Field(
         "auto", title="Training template",
         description="SpecForge's chat template for training (its --chat-template): the audit renders "

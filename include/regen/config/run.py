@@ -258,9 +258,13 @@ class RunConfig(BaseModel):
     def sampling_settings(self) -> dict[str, Any]:
         """What is asked of the model for every request: part of every row's settings hash."""
         s = self.sampling
-        return {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                "top_k": s.top_k, "seed": s.seed, "enable_thinking": self.enable_thinking,
-                "regenerate_turns": self.generation.regenerate_turns}
+        settings = {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                    "top_k": s.top_k, "seed": s.seed, "enable_thinking": self.enable_thinking,
+                    "regenerate_turns": self.generation.regenerate_turns}
+        # Added later: in the hash only when set, so the outputs of earlier runs still resume.
+        optional = {"min_p": s.min_p, "presence_penalty": s.presence_penalty,
+                    "repetition_penalty": s.repetition_penalty, "chat_template_kwargs": s.chat_template_kwargs or None}
+        return {**settings, **{k: v for k, v in optional.items() if v is not None}}
 
     # --- Loading ---------------------------------------------------------------------------
     @classmethod

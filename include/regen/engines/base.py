@@ -25,6 +25,7 @@ def parallel_flags(cfg: RunConfig, tp_flag: str, dp_flag: str) -> list[str]:
 
 class Engine:
     name: ClassVar[str]
+    needs_gpu: ClassVar[bool] = False  # a server cannot run on a CPU
     # The release whose parser names are listed below (requirements-*.txt pins it).
     version: ClassVar[str] = ""
     # `--reasoning-parser` and `--tool-call-parser` values that release knows; preflight asks the

@@ -12,6 +12,7 @@ WITH_KEY = Path(__file__).with_name("with_key.py")
 
 class SGLang(Engine):
     name = "sglang"
+    needs_gpu = True
     version = "0.5.23"  # requirements-gpu.txt: the names below are this release's
     # Used only where the node has no SGLang to ask (preflight asks the installed one first).
     reasoning_parsers = frozenset({

@@ -13,6 +13,7 @@ from regen.engines.simulator.settings import READS_JSON_CALLS, SimSettings, to_a
 
 class Simulator(SGLang):
     name = "sim"
+    needs_gpu = False  # SGLang's API, served on a CPU
     version = ""
     reasoning_parsers = frozenset({"qwen3", "qwen3-thinking", "deepseek-r1"})
     tool_call_parsers = frozenset(READS_JSON_CALLS)

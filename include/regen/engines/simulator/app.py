@@ -24,7 +24,7 @@ from regen.engines.simulator.prefixcache import PrefixCache
 from regen.engines.simulator.settings import FAULT_MARKER, READS_JSON_CALLS, SimSettings, argument_parser, from_args
 from regen.engines.simulator.text import SimTokens, call_text, compose, count_prompt_tokens, message_tokens, plan_calls
 from regen.modelconfig import context_length
-from regen.protocol import ChatReply, chat_response, error_body, server_info
+from regen.protocol import SAMPLING_FIELDS, ChatReply, chat_response, error_body, server_info
 
 
 class SimServer:
@@ -117,7 +117,8 @@ class SimServer:
             return JSONResponse(error_body("messages: field required", 400), status_code=400)
         if self.request_log:
             with open(self.request_log, "a") as log_file:
-                log_file.write(json.dumps({"messages": messages}) + "\n")
+                log_file.write(json.dumps({"messages": messages, "chat_template_kwargs": body.get("chat_template_kwargs"),
+                                           **{k: body[k] for k in SAMPLING_FIELDS if k in body}}) + "\n")
         max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 2048)
         prompt_tokens = count_prompt_tokens(messages)
         cached, _ = self.cache.lookup(messages, body.get("tools"), message_tokens)
@@ -134,7 +135,7 @@ class SimServer:
         kwargs = body.get("chat_template_kwargs") or {}
         degraded = s.ignore_thinking or (s.ignore_thinking_after is not None
                                          and state.requests_total > s.ignore_thinking_after)
-        thinking = bool(kwargs.get("enable_thinking", True)) and not degraded
+        thinking = (bool(kwargs.get("enable_thinking", True)) or s.always_think) and not degraded
         reasoning, answer = compose(messages, thinking, body.get("seed"), s.seed, s.reasoning_median, s.length_sigma)
         budget = max_tokens
         think_tokens = reasoning[:budget]

@@ -68,6 +68,8 @@ class SimSettings:
                                    "tool of the request than the prompt asks for (or none), per prompt", 0.0)
     ignore_thinking: bool = _flag("--sim-ignore-thinking", "answer like a server launched with "
                                   "thinking off", False, fault=True)
+    always_think: bool = _flag("--sim-always-think", "think whatever enable_thinking says (a chat template "
+                               "that does not read the flag)", False, fault=True)
     ignore_thinking_after: int | None = _flag(
         "--sim-ignore-thinking-after", "think for the first N requests, then ignore enable_thinking "
         "(a server relaunched mid-run with the wrong flags)", fault=True)
