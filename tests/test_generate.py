@@ -381,3 +381,18 @@ def test_sampling_left_empty_is_not_sent_and_every_option_set_arrives(sim_server
     sent = [json.loads(line) for line in log.read_text().splitlines()]
     assert sent and all({k: body.get(k) for k in options} == options for body in sent)
     assert all(body["chat_template_kwargs"] == {"preserve_thinking": True, "enable_thinking": True} for body in sent)
+
+
+def test_endpoints_of_servers_regen_serve_started_take_their_key_and_a_401_says_so(sim_servers, tmp_path):
+    """`regen generate --endpoints` against the servers `regen serve` started for the output uses
+    their recorded key; for another output it has none, and the servers' 401 is said as such."""
+    from regen.dispatch import AllServersDown
+    from regen.generate import generate
+
+    cfg, records = sim_servers(num_servers=1, prompts=str(subset(tmp_path, 4)), num_shards=1)
+    assert records[0].api_key and cfg.servers.api_key is None  # the key is the servers', not the config's
+    result = generate(cfg, [0], endpoints=[records[0].url])
+    assert result.shards[0].done == 4
+    other = cfg.model_copy(update={"output": str(tmp_path / "other")})
+    with pytest.raises(AllServersDown, match=r"answered HTTP 401 Unauthorized: the servers want an API key"):
+        generate(other, [0], endpoints=[records[0].url])

@@ -264,6 +264,8 @@ def test_serve_dry_run_prints_the_plan_and_starts_nothing(make_config, fake_smi,
         (0, cfg.servers.base_port, "2,3"), (1, cfg.servers.base_port + 1, "4,5")]
     argv = doc["servers"][0]["argv"]
     assert argv[1].endswith("with_key.py") and argv[2] == "sglang.launch_server"  # as the process will show it
+    served = argv[argv.index("--model-path") + 1]  # the copy staging will make, not the source
+    assert cfg.stage_weights and Path(served).parent == Path(cfg.staging_dir) and served != cfg.model_path
     assert "a-secret-key-1234" not in out.stdout and "--api-key" not in argv
     assert not RunLayout(cfg.output).servers_state.exists()
     assert processes_with_args("--port", str(cfg.servers.base_port)) == []

@@ -14,9 +14,9 @@ from support.processes import free_port_base
 
 
 @contextlib.asynccontextmanager
-async def raw_server(handler):
-    """An asyncio TCP server on loopback running ``handler(reader, writer)`` per connection;
-    yields (port, list of connections seen)."""
+async def raw_server(handler, tls=None):
+    """An asyncio TCP server on loopback (TLS with the ``tls`` context) running
+    ``handler(reader, writer)`` per connection; yields (port, list of connections seen)."""
     connections = []
 
     async def serve(reader, writer):
@@ -27,7 +27,7 @@ async def raw_server(handler):
             writer.close()
 
     port = free_port_base(1)
-    server = await asyncio.start_server(serve, "127.0.0.1", port)
+    server = await asyncio.start_server(serve, "127.0.0.1", port, ssl=tls)
     try:
         yield port, connections
     finally:
@@ -158,3 +158,40 @@ def test_it_is_an_httpx2_transport():
             assert response.status_code == 200 and response.json() == {"ok": True}
 
     asyncio.run(main())
+
+
+def test_https_is_spoken_over_tls_and_a_certificate_that_does_not_verify_is_refused(tmp_path, monkeypatch):
+    """An https endpoint gets TLS (the key never crosses in clear), the server's certificate
+    verified: trusted through SSL_CERT_FILE it answers, untrusted the connection is refused."""
+    import ssl
+    import subprocess
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    seen = []
+
+    async def handler(reader, writer):
+        seen.append(await read_request(reader))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+
+    async def main(trusted: bool):
+        async with raw_server(handler, tls=context) as (port, _):
+            if trusted:
+                monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+            else:
+                monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+            transport = StreamTransport("127.0.0.1", port, 1, tls=True, headers={"Authorization": "Bearer k-123"})
+            try:
+                return await transport.request("GET", "/health")
+            finally:
+                await transport.aclose()
+
+    with pytest.raises(httpx2.ConnectError, match="TLS: CERTIFICATE_VERIFY_FAILED"):
+        asyncio.run(main(trusted=False))
+    assert asyncio.run(main(trusted=True)) == (200, b"ok")
+    assert b"Authorization: Bearer k-123" in seen[-1]  # read by the TLS server: it was sent encrypted

@@ -70,14 +70,16 @@ class Endpoint:
     # Its own kept-alive connections, one per request slot (regen.transport).
     transport: StreamTransport | None = field(default=None, repr=False)
     speed: float | None = None  # moving average of one request's output tokens a second
+    unauthorized: bool = False  # it answered 401: it wants a key this client does not have
 
     def connect(self, cfg: RunConfig, slots: int) -> None:
         """Connections for ``slots`` requests in flight, and one each for the health probe and
         the metrics scrape."""
         url = httpx2.URL(self.url)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        self.transport = StreamTransport(url.host, url.port or 80, slots + 2,
-                                         read_timeout=cfg.generation.request_timeout_s, headers=headers)
+        tls = url.scheme == "https"
+        self.transport = StreamTransport(url.host, url.port or (443 if tls else 80), slots + 2,
+                                         read_timeout=cfg.generation.request_timeout_s, headers=headers, tls=tls)
 
     async def get_json(self, path: str, timeout: float = 10.0):
         """The JSON body of a GET that answered 200; ValueError otherwise."""
@@ -277,6 +279,7 @@ async def discover(url: str, api_key: str | None, cfg: RunConfig, tuning: Client
         endpoint.engine = engine_of_server(doc, cfg.engine)
     except (httpx2.HTTPError, KeyError, IndexError, ValueError, TypeError) as exc:
         endpoint.healthy = False
+        endpoint.unauthorized = "HTTP 401" in str(exc)
         log.warning("server %s not answering /v1/models (%s); probing until it is back", url, exc)
     if endpoint.healthy:
         endpoint.info = await _server_info(endpoint)
@@ -322,6 +325,12 @@ async def open_endpoints(endpoints: list[tuple[str, str | None]], cfg: RunConfig
                     f"{url} serves {endpoint.model!r}, not {wanted!r} which this run's servers were "
                     f"started with: another server took its port; not using it")
             eps.append(endpoint)
+        refused = [e.url for e in eps if e.unauthorized]
+        if not any(e.healthy for e in eps) and refused:
+            raise AllServersDown(
+                f"{', '.join(refused)} answered HTTP 401 Unauthorized: the servers want an API key this run "
+                f"does not have (with `--endpoints`: servers `regen serve` started for this output use its key; "
+                f"others take the deployment's api_key)")
         if not any(e.healthy for e in eps):
             raise AllServersDown(
                 f"no server answers ({', '.join(e.url for e in eps)}): start them first "

@@ -32,6 +32,7 @@ from regen.placement import servers_for
 from regen.progress import RunProgress
 from regen.prompts import Prompt, PromptError, read_at
 from regen.results import GenerateResult, ShardResult
+from regen.servers.records import read_state
 from regen.store import Journal, ShardStore
 from regen.turns import Conversation
 from regen.units import format_duration
@@ -367,7 +368,9 @@ def generate(cfg: RunConfig, shards: list[int], endpoints: list[str] | None = No
         log.info("concurrency per server: %d, the canary sweep's best", swept)
         cfg = cfg.model_copy(update={"concurrency_per_server": swept})
     if endpoints:
-        pairs = [(url, cfg.servers.api_key) for url in endpoints]
+        # Servers `regen serve` started for this output take its key; others the deployment's.
+        recorded = {r.url: r.api_key for r in read_state(cfg.layout)}
+        pairs = [(url, cfg.servers.api_key or recorded.get(url.rstrip("/"))) for url in endpoints]
         identity = model_fingerprint(cfg.model_path) if model_from == "model_path" else None
         expected: dict[str, str] = {}
     else:

@@ -9,7 +9,7 @@ response models, a pool with locks and events, three sends per request). This tr
 `write` and reads the response with one header read and one body read, on connections kept alive
 per request slot.
 
-It speaks the subset engines use: one origin, a body of known length, responses framed by
+It speaks the subset engines use: one origin (http, or https with the certificate verified), a body of known length, responses framed by
 Content-Length or chunked encoding, keep-alive unless the server says close. Failures are
 httpx2's exceptions (ConnectError, ReadTimeout, RemoteProtocolError, ...), and it is also an
 httpx2 transport (``httpx2.AsyncClient(transport=...)``) for code that wants httpx's models.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections import deque
 
 import httpx2
@@ -28,8 +29,10 @@ class StreamTransport(httpx2.AsyncBaseTransport):
     """Up to ``max_connections`` kept-alive connections to ``host:port``."""
 
     def __init__(self, host: str, port: int, max_connections: int, connect_timeout: float = 10.0,
-                 read_timeout: float | None = None, headers: dict[str, str] | None = None):
+                 read_timeout: float | None = None, headers: dict[str, str] | None = None, tls: bool = False):
         self.host, self.port = host, port
+        # https: TLS with the certificate verified against the system's CAs (or SSL_CERT_FILE's)
+        self.ssl = ssl.create_default_context() if tls else None
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self._default_headers = b"".join(f"{k}: {v}\r\n".encode() for k, v in {
             "Host": f"{host}:{port}", **(headers or {})}.items())
@@ -86,9 +89,11 @@ class StreamTransport(httpx2.AsyncBaseTransport):
             return (reader, writer), True
         try:
             async with asyncio.timeout(self.connect_timeout):
-                conn = await asyncio.open_connection(self.host, self.port)
+                conn = await asyncio.open_connection(self.host, self.port, ssl=self.ssl)
         except TimeoutError:
             raise httpx2.ConnectTimeout(f"connecting to {self.host}:{self.port} timed out") from None
+        except ssl.SSLError as exc:  # a certificate that does not verify is no transient failure
+            raise httpx2.ConnectError(f"{self.host}:{self.port}: TLS: {exc.reason or exc}") from exc
         except OSError as exc:
             raise httpx2.ConnectError(f"{self.host}:{self.port}: {exc.strerror or exc}") from exc
         return conn, False

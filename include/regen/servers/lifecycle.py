@@ -38,6 +38,7 @@ from regen.results import PlannedServer, ServerLogs, ServerPlan, ServersStopped,
 from regen.servers import capacity
 from regen.servers.gpus import detect_gpu_memory_mib, server_devices
 from regen.servers.records import ServerRecord, read_state, watchdog_file, write_state
+from regen.weights import staged_path
 
 log = logging.getLogger("regen.servers")
 START_LEASE = "start-servers"  # held while servers start: a starter killed mid-way leaves it behind
@@ -107,7 +108,10 @@ def server_plan(cfg: RunConfig, model_path: str | None = None, gpu: str | None =
     """What start_servers would launch on this node, started nowhere: each server's port, GPUs
     and command line (as the process will show it: without its key), and on a named or detected
     GPU what each server can run and what limits it."""
-    model_path, adapter = model_path or cfg.model_path, engine(cfg.engine)
+    if model_path is None:  # what start_servers will be given: the staged copy when staging is on
+        model_path = str(staged_path(Path(cfg.model_path), Path(cfg.staging_dir))) if cfg.stage_weights \
+            else cfg.model_path
+    adapter = engine(cfg.engine)
     return ServerPlan(servers=[
         PlannedServer(index=index, port=cfg.servers.base_port + index, cuda_visible_devices=devices,
                       argv=adapter.server_argv(build_command(cfg, model_path, cfg.servers.base_port + index)))
