@@ -42,6 +42,15 @@ def qwen3_tokenizer_dir() -> Path:
     return Path(spec.origin).parent / "tokenizer_files"
 
 
+@pytest.fixture(scope="session")
+def qwen36_dir() -> Path:
+    """A Qwen3.5/3.6-layout model directory: the family's tokenizer, a template in its layout, its
+    VL config (tests/support/qwen36.py; built once per machine, about 15 s)."""
+    from support.qwen36 import qwen36_model_dir
+
+    return qwen36_model_dir()
+
+
 @pytest.fixture
 def make_config(tmp_path, tiny_model):
     """A RunConfig for one test: tiny model, temp output and staging, free ports, sim engine."""

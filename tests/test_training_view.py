@@ -172,6 +172,16 @@ def test_agentic_loss_tokens_equal_specforges_parser_with_tools(qwen3_tokenizer_
     assert any(r["conversations"][-1].get("tool_calls") for r in records)  # a row that ends on a call
 
 
+@pytest.mark.parametrize("agentic, cut_at, layout", [
+    (False, 256, "events"), (False, 384, "conversation"), (True, 256, "events"), (True, 384, "conversation")])
+def test_qwen36_layout_loss_tokens_equal_specforges_qwen3_5_parser(qwen36_dir, tmp_path, agentic, cut_at, layout):
+    """The seed's model family (Qwen3.5/3.6: the generation prompt opens the think block, history
+    turns render without one, calls as <function=...> with their arguments as a mapping): chat
+    and agentic rows, as SpecForge 0.2.0 trains them with `qwen3.5`, in both layouts."""
+    rows = make_agentic_rows(True) if agentic else make_rows(True)
+    assert_loss_tokens_are_specforges(qwen36_dir, tmp_path, rows, "qwen3.5", True, cut_at, layout)
+
+
 def test_qwen3_templates_drop_history_reasoning_so_the_default_layout_is_events(qwen3_tokenizer_dir, tiny_model):
     from regen.chat.render import load_tokenizer, train_layout
     from regen.chat.templates import TRAIN_TEMPLATES

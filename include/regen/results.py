@@ -147,6 +147,7 @@ class AuditResult(StageResult):
     samples: int
     audited: int
     degenerate_fraction: float
+    divergence_fraction: float = 0.0  # of the agentic rows, those a divergence ended early
     thresholds: dict[str, Any]
     train_view: dict[str, Any]
     counts: dict[str, int]
