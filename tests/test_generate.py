@@ -396,3 +396,15 @@ def test_endpoints_of_servers_regen_serve_started_take_their_key_and_a_401_says_
     other = cfg.model_copy(update={"output": str(tmp_path / "other")})
     with pytest.raises(AllServersDown, match=r"answered HTTP 401 Unauthorized: the servers want an API key"):
         generate(other, [0], endpoints=[records[0].url])
+
+
+def test_a_running_shard_logs_its_progress_at_every_interval(sim_servers, tmp_path, caplog):
+    """Long work shows progress: every progress_interval_s a shard logs done/total, tok/s and an ETA."""
+    import logging
+
+    cfg, records = sim_servers(num_servers=1, sim_tokens_per_second=200)
+    with caplog.at_level(logging.INFO, logger="regen.generate"):
+        generate_shard(subset(tmp_path, 30), tmp_path / "ds", endpoints(records),
+                       tuning=ClientTuning(**{**FAST.__dict__, "progress_interval_s": 0.2}))
+    lines = [r.getMessage() for r in caplog.records if "tok/s, ETA" in r.getMessage()]
+    assert lines and all("/30 done, 0 failed" in line for line in lines), lines

@@ -177,7 +177,7 @@ class ShardRun:
         all_turns = self.cfg.generation.regenerate_turns == "all"
         for store in self.stores:
             shard = _Shard(store, self.manifest.shard_prompts(store.shard), bad=self._report_bad(doc, store))
-            settled, file_ids = store.settled(shard.prompts.hashes, self.settings_hash)
+            settled, file_ids, failed = store.settled_and_failed(shard.prompts.hashes, self.settings_hash)
             shard.settled = settled
             self.shards[store.shard] = shard
             if store.complete(shard.prompts.ids, settled, file_ids):
@@ -187,7 +187,7 @@ class ShardRun:
                 continue
             shard.pending = set(shard.prompts.ids) - settled
             # An earlier attempt's failures stay failures: the error bound is the shard's, not the attempt's.
-            shard.failed = len(store.failed_for_good(shard.prompts.hashes, self.settings_hash) & settled)
+            shard.failed = len(failed)
             shard.resumed = store.turns_done(shard.prompts.hashes, self.settings_hash)
             for prompt_id in shard.pending:
                 self.shard_of[prompt_id] = shard
@@ -329,8 +329,6 @@ class ShardRun:
             self._report()
             check_overdue(self.layout)
             work = [s for s in self.shards.values() if not s.up_to_date]
-        for shard in work:
-            self._check_errors(shard)  # a retry past the bound already fails before it sends anything
             total = sum(s.total for s in work)
             done = sum(s.skipped + s.done for s in work)
             rows_s, tok_s = self.gen.rates()

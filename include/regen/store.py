@@ -131,9 +131,17 @@ class ShardStore:
             log.info("%s: removed %s, left by an attempt killed while it published", self.name, orphan.name)
 
     def settled(self, hashes: dict[str, str], settings_hash: str) -> tuple[set[str], set[str]]:
-        """(ids that need no new request, ids the shard file holds now). A row settles its id when
-        it is this run's (the id's prompt hash, this settings hash) and good, or failed in a way no
-        retry fixes (a 4xx); rows of other prompts or settings settle nothing."""
+        """(ids that need no new request, ids the shard file holds now): :meth:`settled_and_failed`
+        without the failures."""
+        settled, file_ids, _ = self.settled_and_failed(hashes, settings_hash)
+        return settled, file_ids
+
+    def settled_and_failed(self, hashes: dict[str, str], settings_hash: str) -> tuple[set[str], set[str], set[str]]:
+        """(ids that need no new request, ids the shard file holds now, ids of those whose last
+        journalled row failed in a way no retry fixes). A row settles its id when it is this run's
+        (the id's prompt hash, this settings hash) and good, or failed for good (a 4xx); rows of
+        other prompts or settings settle nothing. The failures are an earlier attempt's, which
+        count against the shard's error bound on a retry."""
         settled: set[str] = set()
         file_ids: set[str] = set()
         if self.final.exists():
@@ -142,33 +150,24 @@ class ShardStore:
                 file_ids.add(row["id"])
                 if _ours(row, hashes, settings_hash) and row["error"] is None:
                     settled.add(row["id"])
-        for prompt_id, verdict in self._journal_verdicts(hashes, settings_hash).items():
-            if verdict == "retry":
-                settled.discard(prompt_id)
-            else:
-                settled.add(prompt_id)
-        return settled, file_ids
-
-    def failed_for_good(self, hashes: dict[str, str], settings_hash: str) -> set[str]:
-        """This run's ids whose last journalled row failed in a way no retry fixes (a 4xx): an
-        earlier attempt's failures, which count against the shard's error bound on a retry."""
-        return {i for i, verdict in self._journal_verdicts(hashes, settings_hash).items() if verdict == "failed"}
-
-    def _journal_verdicts(self, hashes: dict[str, str], settings_hash: str) -> dict[str, str]:
-        """Per id of this run's journalled rows, its last row's verdict: good, failed (for good)
-        or retry."""
-        verdicts: dict[str, str] = {}
+        failed: set[str] = set()
         for row in Journal.rows(self.journal_path):
-            if _ours(row, hashes, settings_hash):
-                verdicts[row["id"]] = ("good" if row.get("error") is None
-                                       else "retry" if row.get("retryable", False) else "failed")
-        return verdicts
+            if not _ours(row, hashes, settings_hash):
+                continue
+            failed.discard(row["id"])
+            if row.get("error") is None or not row.get("retryable", False):
+                settled.add(row["id"])
+                if row.get("error") is not None:
+                    failed.add(row["id"])
+            else:
+                settled.discard(row["id"])
+        return settled, file_ids, failed
 
     def turns_done(self, hashes: dict[str, str], settings_hash: str) -> dict[str, list[dict]]:
         """Per conversation cut mid-way in an earlier attempt: the answers of its finished turns."""
         rows: dict[str, list[dict]] = {}
         for row in Journal.rows(self.journal_path, partial=True):
-            if hashes.get(row["id"]) == row.get("prompt_hash") and row.get("settings_hash") == settings_hash:
+            if _ours(row, hashes, settings_hash):
                 rows.setdefault(row["id"], []).append(row)
         return {i: resumed_answers(r) for i, r in rows.items()}
 

