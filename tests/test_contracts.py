@@ -13,6 +13,7 @@ import subprocess
 
 import httpx
 import msgspec
+import pytest
 
 from regen.client import Generator, Request
 from regen.dispatch import ClientTuning, Endpoint
@@ -155,16 +156,20 @@ def test_agentic_requests_and_tool_call_answers_are_sglangs_and_vllms(sim_server
     assert any("tool-call pairing" in p and "'other'" in p for p in problems), problems
 
 
-def test_the_simulators_tool_call_parsers_answer_as_sglangs_own(sim_servers, tmp_path):
+@pytest.mark.parametrize("model", ["qwen3", "qwen3.6"])
+def test_the_simulators_tool_call_parsers_answer_as_sglangs_own(sim_servers, tmp_path, request, model):
     """Each tool-call parser the simulator takes makes of its calls what SGLang 0.5.23's parser of
-    that name makes of the same text: qwen25 and hermes take them apart, qwen3_coder (which reads
-    only <function=...>) drops them with their text, the reply a Qwen3 model gets from the wrong
-    parser; without a parser the calls' text is the answer."""
-    from regen.engines.simulator.settings import READS_JSON_CALLS
+    that name makes of the same text, for a model that writes JSON calls (Qwen3's template) and
+    one that writes <function=...> calls (the Qwen3.5/3.6 layout): each parser takes its own
+    format apart and drops or leaves the other; without a parser the calls' text is the answer."""
+    from regen.engines.simulator.calls import TOOL_CALL_PARSERS
     from regen.prompts import request_messages
 
+    model_path = str(request.getfixturevalue("qwen36_dir")) if model == "qwen3.6" else None
+
     def message(parser):
-        cfg, records = sim_servers(num_servers=1, tool_call_parser=parser, output=str(tmp_path / str(parser)))
+        cfg, records = sim_servers(num_servers=1, tool_call_parser=parser, output=str(tmp_path / str(parser)),
+                                   **({"model_path": model_path} if model_path else {}))
         generator = Generator(None, cfg, ClientTuning(), lambda row: None)
         endpoint = Endpoint(url=records[0].url, api_key=records[0].api_key, engine=engine("sglang"), model="m")
         body = generator.payload(endpoint, Request("a", request_messages(AGENTIC[:2]), {}, TOOLS))
@@ -175,16 +180,42 @@ def test_the_simulators_tool_call_parsers_answer_as_sglangs_own(sim_servers, tmp
 
     text = message(None)["content"]
     assert text.count("<tool_call>") == 2  # get_weather and get_time, as the model wrote them
+    assert text.count("<function=") == (2 if model == "qwen3.6" else 0)
     parsed = judgement(SGLANG_PYTHON, {"engine": "sglang", "requests": [], "responses": [], "tool_parsing": {
-        "text": text, "tools": TOOLS, "parsers": sorted(READS_JSON_CALLS)}})["parsed"]
-    for parser in sorted(READS_JSON_CALLS):
+        "text": text, "tools": TOOLS, "parsers": list(TOOL_CALL_PARSERS)}})["parsed"]
+    for parser in TOOL_CALL_PARSERS:
         answer = message(parser)
         simulated = {"content": answer["content"] or "",
                      "calls": [[c["function"]["name"], json.loads(c["function"]["arguments"])]
                                for c in answer.get("tool_calls") or []]}
         assert simulated == parsed[parser], parser
-        assert bool(simulated["calls"]) == READS_JSON_CALLS[parser]
-    assert parsed["qwen3_coder"] == {"content": "", "calls": []}
+    own = "qwen3_coder" if model == "qwen3.6" else "qwen25"
+    assert [name for name, _ in parsed[own]["calls"]] == ["get_weather", "get_time"]
+
+
+def test_the_simulators_call_reading_is_sglangs_on_typed_arguments():
+    """Calls with typed arguments (integers, numbers, booleans, objects, null, text around them),
+    written in either format: regen's reading (regen.engines.simulator.calls.parse_calls) is what
+    SGLang 0.5.23's detectors make of each text, parser by parser."""
+    from regen.engines.simulator.calls import TOOL_CALL_PARSERS, parse_calls, write_call
+
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
+        "query": {"type": "string"}, "limit": {"type": "integer"}, "score": {"type": "number"},
+        "exact": {"type": "boolean"}, "filters": {"type": "object"}, "tags": {"type": "array"}}}}}]
+    calls = [{"id": "c1", "type": "function", "function": {"name": "search", "arguments": json.dumps(
+        {"query": "qwen 3.6", "limit": 5, "score": 0.5, "exact": True, "filters": {"lang": "en"}, "tags": ["a", "b"]})}},
+             {"id": "c2", "type": "function", "function": {"name": "search", "arguments": json.dumps(
+                 {"query": "42", "limit": None, "unknown": "x"})}}]
+    texts = [prefix + "\n".join(write_call(c, fmt) for c in calls)
+             for fmt in ("xml", "json") for prefix in ("", "Let me look.\n")]
+    texts.append("No call here.")
+    parsed = judgement(SGLANG_PYTHON, {"engine": "sglang", "requests": [], "responses": [], "tool_parsing": {
+        "texts": texts, "tools": tools, "parsers": list(TOOL_CALL_PARSERS)}})["parsed"]
+    for text, theirs in zip(texts, parsed):
+        for parser in TOOL_CALL_PARSERS:
+            content, ours = parse_calls(text, parser, tools)
+            assert {"content": content, "calls": [[n, a] for n, a in ours]} == theirs[parser], (parser, text)
+    assert len(parsed[0]["qwen3_coder"]["calls"]) == 2 and parsed[0]["qwen3_coder"]["calls"][0][1]["limit"] == 5
 
 
 CONTEXT_LENGTHS = """

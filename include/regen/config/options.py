@@ -167,6 +167,11 @@ class SimulatorOptions(Options):
         False, title="Simulate a server without thinking",
         description="The simulator ignores `enable_thinking` and answers like a server "
         "launched with thinking off: the failure that ruined the 914k-sample dataset.")
+    follow_recorded: bool = Field(
+        False, title="Simulated model calls what the data records",
+        description="At each step of an agentic conversation the simulator calls the tools (and arguments) "
+        "the prompts file records there, so rows run to their last step as with a model that behaves "
+        "like the data. Off: it calls the tools its last user message names.")
 
 
 class SamplingOptions(Options):

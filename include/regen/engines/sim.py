@@ -8,7 +8,8 @@ import sys
 
 from regen.config import RunConfig
 from regen.engines.sglang import SGLang
-from regen.engines.simulator.settings import READS_JSON_CALLS, SimSettings, to_argv
+from regen.engines.simulator.calls import TOOL_CALL_PARSERS
+from regen.engines.simulator.settings import SimSettings, to_argv
 
 
 class Simulator(SGLang):
@@ -16,7 +17,7 @@ class Simulator(SGLang):
     needs_gpu = False  # SGLang's API, served on a CPU
     version = ""
     reasoning_parsers = frozenset({"qwen3", "qwen3-thinking", "deepseek-r1"})
-    tool_call_parsers = frozenset(READS_JSON_CALLS)
+    tool_call_parsers = frozenset(TOOL_CALL_PARSERS)
     # Its knobs, but not those that name a file on the node.
     run_flags = SGLang.run_flags | SimSettings.run_flags()
 
@@ -25,4 +26,6 @@ class Simulator(SGLang):
         return [sys.executable, "-m", "regen", "sim"]
 
     def own_flags(self, cfg: RunConfig) -> list[str]:
-        return to_argv(**cfg.sim.model_dump())  # the config's simulator options are SimSettings' fields
+        options = cfg.sim.model_dump()  # the config's simulator options are SimSettings' fields
+        follow = options.pop("follow_recorded")
+        return to_argv(**options) + (["--sim-follow-recorded", cfg.prompts] if follow else [])

@@ -21,8 +21,9 @@ from starlette.routing import Route
 
 from regen.engines.simulator.batching import BatchScheduler, SimState
 from regen.engines.simulator.prefixcache import PrefixCache
-from regen.engines.simulator.settings import FAULT_MARKER, READS_JSON_CALLS, SimSettings, argument_parser, from_args
-from regen.engines.simulator.text import SimTokens, call_text, compose, count_prompt_tokens, message_tokens, plan_calls
+from regen.engines.simulator.calls import RecordedSteps, call_format, parse_calls, plan_calls, write_call
+from regen.engines.simulator.settings import FAULT_MARKER, SimSettings, argument_parser, from_args
+from regen.engines.simulator.text import SimTokens, compose, count_prompt_tokens, message_tokens
 from regen.modelconfig import context_length
 from regen.protocol import SAMPLING_FIELDS, ChatReply, chat_response, error_body, server_info
 
@@ -39,6 +40,8 @@ class SimServer:
         self.scheduler = BatchScheduler(settings, self.effective * settings.dp_size, self.state)
         self.cache = PrefixCache(0 if settings.disable_radix_cache else settings.prefix_cache_tokens)
         self.failures = random.Random(settings.seed ^ 0x5EED)
+        self.recorded = RecordedSteps(settings.follow_recorded) if settings.follow_recorded else None
+        self.call_format = call_format(self.tokens.template_source() if self.tokens else None)
 
     def app(self) -> Starlette:
         return Starlette(routes=[
@@ -115,6 +118,10 @@ class SimServer:
             assert isinstance(messages, list) and messages
         except Exception:
             return JSONResponse(error_body("messages: field required", 400), status_code=400)
+        try:
+            templated = with_decoded_arguments(messages)
+        except ValueError as exc:
+            return JSONResponse(error_body(str(exc), 400), status_code=400)
         if self.request_log:
             with open(self.request_log, "a") as log_file:
                 log_file.write(json.dumps({"messages": messages, "chat_template_kwargs": body.get("chat_template_kwargs"),
@@ -164,18 +171,45 @@ class SimServer:
                           prompt_tokens=prompt_tokens, completion_tokens=completion,
                           cached_tokens=cached if s.enable_cache_report else None)
         calls = plan_calls(messages, body.get("tools") if body.get("tool_choice") != "none" else None,
-                           s.tool_divergence, body.get("seed"), s.seed) if finished else None
-        if calls and s.tool_call_parser and READS_JSON_CALLS[s.tool_call_parser]:  # the calls apart, no text
-            reply.content, reply.tool_calls, reply.finish_reason = "", calls, "tool_calls"
-        elif calls and s.tool_call_parser:  # a parser for another call format drops them
-            reply.content = ""
-        elif calls:  # no parser: the call's raw text is the answer, as SGLang sends it
-            reply.content = "\n".join(call_text(c) for c in calls)
+                           s.tool_divergence, body.get("seed"), s.seed, self.recorded) if finished else None
+        text = reply.content
+        if calls:  # the model writes its calls instead of an answer; the parser (if any) reads them
+            text = "\n".join(write_call(c, self.call_format) for c in calls)
+            reply.content = text
+            if s.tool_call_parser:
+                reply.content, parsed = parse_calls(text, s.tool_call_parser, body.get("tools"))
+                reply.tool_calls = [{"id": c["id"], "type": "function", "function": {
+                    "name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+                    for c, (name, arguments) in zip(calls, parsed)] or None
+                reply.finish_reason = "tool_calls" if reply.tool_calls else reply.finish_reason
         if self.tokens is not None and (body.get("return_prompt_token_ids") or body.get("return_token_ids")):
-            prompt_ids, output_ids = self.tokens.ids(messages, kwargs, reply, finished, body.get("tools"))
+            prompt_ids, output_ids = self.tokens.ids(templated, kwargs, reply.reasoning_content, text, finished,
+                                                     body.get("tools"))
             reply.prompt_token_ids = prompt_ids if body.get("return_prompt_token_ids") else None
             reply.completion_token_ids = output_ids if body.get("return_token_ids") else None
         return JSONResponse(chat_response(s.served_name, reply))
+
+
+def with_decoded_arguments(messages: list[dict]) -> list[dict]:
+    """The messages as SGLang hands them to the chat template: each history call's arguments
+    decoded to an object (``serving_chat.normalize_assistant_tool_call_arguments``, strict)."""
+    out = []
+    for message in messages:
+        if message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list):
+            calls = []
+            for call in message["tool_calls"]:
+                function = dict(call.get("function") or {})
+                if isinstance(function.get("arguments"), str):
+                    try:
+                        function["arguments"] = json.loads(function["arguments"])
+                    except ValueError:
+                        raise ValueError("Assistant tool call function.arguments must be valid JSON.") from None
+                    if not isinstance(function["arguments"], dict):
+                        raise ValueError("Assistant tool call function.arguments must be a JSON object.")
+                calls.append({**call, "function": function})
+            message = {**message, "tool_calls": calls}
+        out.append(message)
+    return out
 
 
 def model_context_length(model_path: str) -> int:

@@ -8,14 +8,9 @@ import argparse
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from regen.engines.simulator.calls import TOOL_CALL_PARSERS
+
 FAULT_MARKER = "[sim-fault]"
-
-# What each tool-call parser the simulator takes makes of the calls it writes (Qwen3's JSON in
-# <tool_call>), as SGLang 0.5.23's detector of that name does (test_contracts runs them): True,
-# the calls apart and no text; False, the calls dropped with their text (qwen3_coder reads only
-# <function=...>: an answer of "" and no call, SGLang's "dropping the incomplete call").
-READS_JSON_CALLS = {"qwen25": True, "hermes": True, "qwen3_coder": False}
-
 
 def _flag(name: str, help: str = "", default: Any = None, names_a_file: bool = False,
           choices: list[str] | None = None, fault: bool = False) -> Any:
@@ -35,9 +30,9 @@ class SimSettings:
     api_key: str | None = _flag("--api-key")
     speculative_algorithm: str | None = _flag("--speculative-algorithm")
     reasoning_parser: str | None = _flag("--reasoning-parser")
-    tool_call_parser: str | None = _flag("--tool-call-parser", "return the calls a reply makes as `tool_calls` "
-                                         "(without it, as SGLang: the call's raw text in `content`)",
-                                         choices=sorted(READS_JSON_CALLS))
+    tool_call_parser: str | None = _flag("--tool-call-parser", "read the calls a reply writes as SGLang's parser "
+                                         "of that name does (without it, as SGLang: the calls' text in `content`)",
+                                         choices=list(TOOL_CALL_PARSERS))
     seed: int = _flag("--random-seed", default=0)
     dp_size: int = _flag("--dp-size", "data parallel ranks: each runs up to the per-rank limit, and "
                          "/server_info reports one internal state per rank, as SGLang", 1)
@@ -76,6 +71,9 @@ class SimSettings:
     startup_delay_s: float = _flag("--sim-startup-delay", "seconds before /health answers 200", 0.0, fault=True)
     fail_while: str | None = _flag("--sim-fail-while", f"while FILE exists, answer HTTP 500 to prompts "
                                    f"containing {FAULT_MARKER!r} (a fault that goes away)", names_a_file=True, fault=True)
+    follow_recorded: str | None = _flag(
+        "--sim-follow-recorded", "call what each conversation of this prompts FILE records at the step "
+        "(a model that behaves like the data), instead of what its last user message names", names_a_file=True)
     request_log: str | None = _flag("--sim-request-log", "append every chat request's messages to "
                                     "FILE (JSON lines; {port} in it becomes the server's port)", names_a_file=True)
     orphan_child: bool = _flag("--sim-orphan-child", "leave a child that ignores SIGTERM and outlives "

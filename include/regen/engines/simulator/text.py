@@ -27,7 +27,7 @@ ANSWER_WORDS = (
 NO_THINKING_ANSWER = "OK."
 
 
-def _rng(messages: list[dict], seed: int | None, base_seed: int) -> random.Random:
+def seeded_rng(messages: list[dict], seed: int | None, base_seed: int) -> random.Random:
     key = json.dumps(messages, sort_keys=True) + f"|{seed if seed is not None else base_seed}"
     return random.Random(hashlib.sha256(key.encode()).digest())
 
@@ -36,7 +36,7 @@ def compose(messages: list[dict], thinking: bool, seed: int | None, base_seed: i
             reasoning_median: int = 0, length_sigma: float = 0.0) -> tuple[list[str], list[str]]:
     """(reasoning words, answer words) for a request; no reasoning when thinking is off. The
     trace's length is 40 to 120 words, or log-normal around ``reasoning_median``."""
-    rng = _rng(messages, seed, base_seed)
+    rng = seeded_rng(messages, seed, base_seed)
     if not thinking:
         return [], [NO_THINKING_ANSWER]
     length = (max(4, round(reasoning_median * math.exp(length_sigma * rng.gauss(0.0, 1.0))))
@@ -45,46 +45,6 @@ def compose(messages: list[dict], thinking: bool, seed: int | None, base_seed: i
     answer = [rng.choice(ANSWER_WORDS) for _ in range(rng.randint(12, 48))]
     answer[-1] = answer[-1] + "."
     return reasoning, answer
-
-
-def _call(tool: dict, step: int, call_id: str) -> dict:
-    properties = ((tool["function"].get("parameters") or {}).get("properties") or {})
-    arguments = {name: f"{name} {step}" for name in sorted(properties)}
-    return {"id": call_id, "type": "function",
-            "function": {"name": tool["function"]["name"], "arguments": json.dumps(arguments)}}
-
-
-def plan_calls(messages: list[dict], tools: list[dict] | None, divergence: float, seed: int | None,
-               base_seed: int = 0) -> list[dict] | None:
-    """The calls the simulator makes for a request, or None (it answers). The last user message
-    asks for them: ``[tools: a+b; c]`` calls a and b at once, then c once their results are back,
-    then answers; a tool of the request named in the text is called once. With ``divergence``,
-    that share of steps (by prompt, deterministic) calls another tool, or none."""
-    if not tools:
-        return None
-    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
-    text = str(messages[last_user].get("content") or "")
-    by_name = {t["function"]["name"]: t for t in tools}
-    if "[tools:" in text:
-        plan = [[n.strip() for n in group.split("+") if n.strip()]
-                for group in text.split("[tools:", 1)[1].split("]", 1)[0].split(";")]
-    else:
-        plan = [[n for n in sorted(by_name, key=text.find) if n in text]]
-    step = sum(1 for m in messages[last_user:] if m["role"] == "assistant" and m.get("tool_calls"))
-    group = [n for n in plan[step] if n in by_name] if step < len(plan) else []
-    rng = _rng(messages, seed, base_seed)
-    if group and rng.random() < divergence:
-        others = [n for n in by_name if n not in group]
-        group = [others[0]] if others else []
-    key = json.dumps(messages, sort_keys=True)
-    return [_call(by_name[n], step, "call_" + hashlib.sha256(f"{key}|{j}".encode()).hexdigest()[:24])
-            for j, n in enumerate(group)] or None
-
-
-def call_text(call: dict) -> str:
-    """One call as a Qwen3 model writes it (and its chat template renders it)."""
-    function = call["function"]
-    return f'<tool_call>\n{{"name": "{function["name"]}", "arguments": {function["arguments"]}}}\n</tool_call>'
 
 
 def message_tokens(message: dict) -> int:
@@ -113,9 +73,7 @@ class SimTokens:
             from tokenizers import Tokenizer
 
             config = json.loads((self.model_path / "tokenizer_config.json").read_text())
-            template = config.get("chat_template")
-            if template is None and (self.model_path / "chat_template.jinja").exists():
-                template = (self.model_path / "chat_template.jinja").read_text()
+            template = self.template_source()
 
             def raise_exception(message):
                 raise jinja2.TemplateError(message)
@@ -129,16 +87,24 @@ class SimTokens:
                             env.from_string(template), eos or "<|im_end|>")
         return self._loaded
 
-    def ids(self, messages: list[dict], kwargs: dict, reply, finished: bool,
+    def template_source(self) -> str | None:
+        """The chat template: tokenizer_config.json's, else chat_template.jinja; None without."""
+        config_file, jinja_file = self.model_path / "tokenizer_config.json", self.model_path / "chat_template.jinja"
+        template = json.loads(config_file.read_text()).get("chat_template") if config_file.is_file() else None
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+        return template
+
+    def ids(self, messages: list[dict], kwargs: dict, reasoning: str | None, text: str, finished: bool,
             tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
-        """(prompt ids, output ids) of a reply (regen.protocol.ChatReply); its calls written as
-        a Qwen3 model writes them, which its tool-call parser reads back."""
+        """(prompt ids, output ids) of a reply: its reasoning (continued inside a think block the
+        generation prompt opened, else in one of its own) and its text, calls as written."""
         tokenizer, template, eos = self._load()
         prompt = template.render(messages=messages, tools=tools, add_generation_prompt=True, **kwargs)
-        reasoning, content = reply.reasoning_content, reply.content or ""
-        output = (f"<think>\n{reasoning}\n</think>\n\n" if reasoning is not None else "") + content
-        for j, call in enumerate(reply.tool_calls or []):
-            output += ("\n" if j or content else "") + call_text(call)
-        output += eos if finished else ""
+        output = ""
+        if reasoning is not None:
+            opened = "" if prompt.endswith("<think>\n") else "\n" if prompt.endswith("<think>") else "<think>\n"
+            output = f"{opened}{reasoning}\n</think>\n\n"
+        output += text + (eos if finished else "")
         encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
         return encode(prompt), encode(output)
