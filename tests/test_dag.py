@@ -280,3 +280,28 @@ def test_every_task_has_a_deadline_and_a_shards_comes_from_the_canarys_estimate(
     assert shard.execution_timeout == timedelta(seconds=4 * 3600 + DEADLINE_GRACE_S)
     dag.get_task("start_servers")._pre_execute_hook({**context, "task": start})
     assert start.execution_timeout == timedelta(seconds=60 + 900 + DEADLINE_GRACE_S)
+
+
+def test_a_shard_over_its_error_bound_fails_again_on_the_schedulers_retry(airflow_db, deployed_dag, make_config,
+                                                                          monkeypatch, tmp_path):
+    """Errors are bounded over the shard, not the attempt: a shard that fails at 3 errors of 43
+    (bound 5%; 3 prompts past the context the servers were launched with, which no retry fixes)
+    is retried by Airflow (try 2) and fails again without sending them again, where counting
+    only the retry's own errors would pass it with the errors in the dataset."""
+    monkeypatch.setenv("REGEN_SHARD_RETRIES", "1")
+    monkeypatch.setenv("REGEN_SHARD_RETRY_DELAY_S", "0")
+    lines = (ROOT / "demo" / "prompts.jsonl").read_text().splitlines()[:40]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(lines + [json.dumps({"id": f"long-{i}", "prompt": f"long {i} " + "word " * 1500})
+                                          for i in range(3)]) + "\n")
+    requests = tmp_path / "requests.jsonl"
+    cfg = make_config(prompts=str(prompts), num_shards=1, num_servers=1, max_error_fraction=0.05,
+                      extra_server_args=["--context-length", "2200", "--sim-request-log", str(requests)])
+    run = deployed_dag(cfg).test(run_conf=_conf(cfg))
+    generate = [ti for ti in run.get_task_instances() if ti.task_id == "generate"]
+    assert run.state == "failed"
+    assert [(str(ti.state), ti.try_number) for ti in generate] == [("failed", 2)]
+    assert _states(run)["audit"] == ["upstream_failed"] and not (ROOT / cfg.output / "data").exists()
+    sent = [line for line in requests.read_text().splitlines() if '"content": "long ' in line]
+    assert len(sent) == 3  # once each, in try 1: the retry counted them and sent nothing
+    assert_no_server_left(cfg)
