@@ -173,3 +173,15 @@ def test_agentic_conversations_that_all_end_at_their_first_step_fail_the_canary(
     with pytest.raises(CanaryFailed, match=r"agentic conversations ended at their first step: the model called "
                                            r"other tools than the recorded ones"):
         canary(cfg)
+
+
+def test_the_canary_measures_the_share_the_trainer_cuts(sim_servers):
+    """Preflight estimates what train_max_length will cut from the prompts alone; the canary
+    measures it on real answers (the simulator's traces run past 120 tokens here)."""
+    cfg, records = sim_servers(num_servers=1, train_max_length=120, min_loss_tokens=4)
+    report = canary(cfg)
+    assert 0 < report.estimate["trainer_cut_fraction"] <= 1
+    assert f"the trainer cuts {report.estimate['trainer_cut_fraction']:.0%} of its samples at train_max_length 120" \
+        in report.summary
+    roomy, _ = sim_servers(num_servers=1, train_max_length=8192, output=cfg.output + "-roomy")
+    assert canary(roomy).estimate["trainer_cut_fraction"] == 0

@@ -90,6 +90,9 @@ def test_preflight_asks_the_installed_sglang_for_its_names_and_flags(make_config
 
     refused, info = problems(reasoning_parser="nano_v3", tool_call_parser="qwen3_coder")
     assert info["engine"] == f"sglang 0.5.23 at {SGLANG_PYTHON}"
+    # What was checked is said: SGLang's parser, not its resolution against the model (resolve_once).
+    assert info["launch_checked_by"].endswith("its argument parser only (resolve_once, its checks against the "
+                                              "model, runs at launch)")
     assert len(refused) == 1 and refused[0].startswith(f"reasoning_parser 'nano_v3': sglang 0.5.23 at {SGLANG_PYTHON} "
                                                        f"has no such parser (valid: ")
     assert "nemotron_3" in refused[0] and "deepseek-v4" in refused[0]

@@ -319,3 +319,35 @@ def test_the_longest_prompt_is_counted_on_a_bounded_prefix(make_config, tmp_path
     problems = problems_for(make_config, prompts=str(prompts))
     assert time.monotonic() - started < 60
     assert len(problems) == 1 and "longest prompt ('huge', at least" in problems[0], problems
+
+
+def test_thinking_off_with_the_events_layout_is_refused_with_the_layout_to_use(make_config):
+    """SpecForge's expander takes only turns with reasoning: with thinking off, the events layout
+    would leave every row out of the export after the GPU time is spent."""
+    for layout in ("events", "auto"):  # auto: the tiny Qwen3's template drops history reasoning
+        problems = problems_for(make_config, enable_thinking=False, train_layout=layout)
+        assert any(p.startswith("train_layout events") and "set train_layout: conversation" in p
+                   for p in problems), problems
+    assert problems_for(make_config, enable_thinking=False, train_layout="conversation") == []
+
+
+def test_the_share_the_trainer_will_cut_is_estimated_before_any_gpu_time(make_config, tmp_path):
+    """A fifth of the prompts are longer than train_max_length on their own: the estimate, on a
+    sample of the file, finds about that share, and says how much room a median prompt leaves;
+    with room for everything it says nothing."""
+    from regen.preflight import CUT_SAMPLE, preflight
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": ("word " * 1000 if i % 5 == 0 else f"question {i}?")})
+                               + "\n" for i in range(400)))
+    result = preflight(make_config(prompts=str(prompts), max_tokens=1024, train_max_length=2048), code=False)
+    cut = result.info["trainer_cut"]
+    assert cut["sampled"] == CUT_SAMPLE
+    assert 0.1 < cut["prompts_over"] / cut["sampled"] < 0.3
+    assert cut["max_prompt_tokens"] > 2048 > 2048 - 1024 > cut["median_prompt_tokens"]
+    assert cut["answer_room_at_median"] == 2048 - cut["median_prompt_tokens"]
+    assert 0.2 < cut["worst_share"] < 1
+    assert "trainer cut (train_max_length 2,048): up to" in result.summary
+    roomy = preflight(make_config(prompts=str(prompts), max_tokens=1024, train_max_length=8192,
+                                  output=str(tmp_path / "roomy")), code=False)
+    assert roomy.info["trainer_cut"]["worst_share"] == 0 and "trainer cut" not in roomy.summary

@@ -207,6 +207,7 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
             f"would keep one step of each (max_divergence_fraction {cfg.audit.max_divergence_fraction:.0%} would not "
             f"hold); check the model, its tools and tool_call_parser; e.g. {json.dumps(sample)}")
     result.estimate = estimate_run(alone, together, total, len(endpoints), slots, cfg.generation.queue_margin)
+    result.estimate["trainer_cut_fraction"] = round(summary.fraction("cut"), 4)  # preflight's estimate, measured
     sweep_s = cfg.canary.sweep_s if cfg.canary.sweep_s is not None else (0 if cfg.engine == "sim" else SWEEP_S)
     if sweep_s and not result.problems and not cfg.generation.concurrency_per_server:
         result.estimate["sweep"] = sweep_concurrency(quick, rest, endpoints, slots // servers, sweep_s)
@@ -285,4 +286,6 @@ def canary(cfg: RunConfig, run_id: str | None = None) -> CanaryReport:
                    "content": (r["content"] or "")[:EXAMPLE_CHARS]}
                   for r in sorted(result.rows, key=lambda r: r["id"])[:3]],  # the same three, however they finished
         summary=f"canary passed: {len(result.rows)} samples; estimate: {result.estimate.get('text', 'n/a')}"
+                + (f"; the trainer cuts {cut:.0%} of its samples at train_max_length {cfg.audit.train_max_length:,}"
+                   if (cut := result.estimate.get("trainer_cut_fraction")) else "")
                 + (f"; {off_plan}" if off_plan else ""))

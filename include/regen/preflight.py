@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -134,6 +135,8 @@ def check_prompts(cfg: RunConfig, report: PreflightReport, max_listed: int = 20)
     duplicates: list[str] = []
     refused: dict[str, list[PromptError]] = {}
     count, longest_chars, longest, with_history, agentic = 0, 0, None, 0, 0
+    sample: list[tuple[list[dict], list[dict] | None]] = []  # a reservoir, for the trainer-cut estimate
+    pick = random.Random(0)
     try:
         for item in read_prompts(path):
             problem = index.feed(item)
@@ -148,6 +151,10 @@ def check_prompts(cfg: RunConfig, report: PreflightReport, max_listed: int = 20)
             with_history += any(m["role"] == "assistant" for m in item.messages)
             agentic += item.agentic
             chars = sum(len(m["content"]) for m in item.messages)
+            if len(sample) < CUT_SAMPLE:
+                sample.append((item.messages, item.tools))
+            elif (slot := pick.randrange(count)) < CUT_SAMPLE:
+                sample[slot] = (item.messages, item.tools)
             if chars > longest_chars:
                 longest_chars, longest = chars, item
     except (OSError, ValueError) as exc:
@@ -157,6 +164,7 @@ def check_prompts(cfg: RunConfig, report: PreflightReport, max_listed: int = 20)
     report.info["agentic_prompts"] = agentic
     report.info["longest_prompt_chars"] = longest_chars
     report.info["_longest_prompt"] = longest
+    report.info["_sample_prompts"] = sample
     report.info["_index"] = index
     for lines, what in ((bad, "unreadable record"), (duplicates, "duplicate id")):
         report.problems.extend(lines[:max_listed])
@@ -218,7 +226,8 @@ def check_model(cfg: RunConfig, report: PreflightReport) -> None:
     try:
         problems, info = call_bounded("regen.preflight:tokenizer_checks", (
             str(model), AuditThresholds.from_config(cfg), cfg.enable_thinking,
-            (longest.id, longest.messages) if longest is not None else None, cfg.sampling.max_tokens, context),
+            (longest.id, longest.messages) if longest is not None else None, cfg.sampling.max_tokens, context,
+            report.info.get("_sample_prompts") or [], cfg.audit.train_max_length),
             TEMPLATE_SECONDS, TEMPLATE_MEMORY_BYTES)
     except OverBudget as exc:
         where = next((model / n for n in ("chat_template.jinja", "tokenizer_config.json") if (model / n).is_file()), model)
@@ -238,10 +247,12 @@ def check_model(cfg: RunConfig, report: PreflightReport) -> None:
 TEMPLATE_SECONDS = 60.0
 TEMPLATE_MEMORY_BYTES = 3 * 2**30
 LONGEST_PROMPT_CHARS_PER_TOKEN = 16
+CUT_SAMPLE = 256  # conversations whose prompts are tokenized for the trainer-cut estimate
 
 
 def tokenizer_checks(model: str, thresholds, enable_thinking: bool, longest: tuple[str, list[dict]] | None,
-                     max_tokens: int, context: int | None) -> tuple[list[str], dict]:
+                     max_tokens: int, context: int | None, sample: list[tuple[list[dict], list[dict] | None]] = (),
+                     train_max_length: int | None = None) -> tuple[list[str], dict]:
     """preflight's checks that run the model's tokenizer and chat template: (problems, info);
     run through regen.childpool.call_bounded."""
     from regen.audit.dataset import resolved
@@ -267,19 +278,18 @@ def tokenizer_checks(model: str, thresholds, enable_thinking: bool, longest: tup
         if enable_thinking and not template.keeps_reasoning:
             problems.append(f"train_template {thresholds.train_template!r}: SpecForge's parser for it "
                             f"drops reasoning_content, so training would see empty think blocks")
+        if not enable_thinking and thresholds.train_layout == "events":
+            problems.append(f"train_layout events (train_template {thresholds.train_template!r}) with "
+                            f"enable_thinking off: SpecForge's expander takes only turns with reasoning, so "
+                            f"every row would be left out of the export; set train_layout: conversation")
     for problem in template_problems(tokenizer, enable_thinking, template.fmt):
         problems.append(f"model_path {model}: {problem}")
+    if sample and train_max_length:
+        info["trainer_cut"] = trainer_cut(tokenizer, sample, enable_thinking, max_tokens, train_max_length)
     if longest is None or not context:
         return problems, info
     prompt_id, messages = longest
-    budget = LONGEST_PROMPT_CHARS_PER_TOKEN * (context + 1)  # more than this many characters cannot fit
-    cut = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, str):
-            message = {**message, "content": content[:max(budget, 0)]}
-            budget -= len(content)
-        cut.append(message)
+    cut, whole = bounded(messages, context)
     try:
         prompt_tokens = len(tokenizer.encode(render_generation_prompt(tokenizer, cut, enable_thinking),
                                              add_special_tokens=False))
@@ -287,10 +297,65 @@ def tokenizer_checks(model: str, thresholds, enable_thinking: bool, longest: tup
         return problems, info
     info["longest_prompt_tokens"] = prompt_tokens
     if prompt_tokens + max_tokens > context:
-        at_least = "at least " if budget < 0 else ""
+        at_least = "" if whole else "at least "
         problems.append(f"max_tokens {max_tokens} + longest prompt ({prompt_id!r}, {at_least}{prompt_tokens} "
                         f"tokens) = {prompt_tokens + max_tokens} passes the context length {context}")
     return problems, info
+
+
+def bounded(messages: list[dict], tokens: int) -> tuple[list[dict], bool]:
+    """(the messages with at most the characters ``tokens`` tokens can hold, whether that is all
+    of them): what is counted of a prompt that may be huge."""
+    budget = LONGEST_PROMPT_CHARS_PER_TOKEN * (tokens + 1)
+    cut = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            message = {**message, "content": content[:max(budget, 0)]}
+            budget -= len(content)
+        cut.append(message)
+    return cut, budget >= 0
+
+
+def trainer_cut(tokenizer, sample: list[tuple[list[dict], list[dict] | None]], enable_thinking: bool, max_tokens: int,
+                train_max_length: int) -> dict:
+    """What SpecForge's --max-length will cut, estimated from sampled prompts before any answer
+    exists: each prompt (the conversation up to its last user message or tool result, as the
+    generation prompt renders it, with its tools) plus an answer of max_tokens, the most it can be. The canary
+    then measures it on real answers."""
+    from regen.chat.render import render_generation_prompt
+    from regen.prompts import request_messages
+
+    lengths = []
+    for messages, tools in sample:
+        try:
+            asked, _ = bounded(request_messages(messages), train_max_length)  # past it, all is cut anyway
+            text = render_generation_prompt(tokenizer, asked, enable_thinking, tools)
+        except Exception:  # template errors are reported by the checks above
+            continue
+        lengths.append(len(tokenizer.encode(text, add_special_tokens=False)))
+    if not lengths:
+        return {}
+    lengths.sort()
+    total = sum(n + max_tokens for n in lengths)
+    over = sum(max(0, n + max_tokens - train_max_length) for n in lengths)
+    return {"sampled": len(lengths), "median_prompt_tokens": lengths[len(lengths) // 2],
+            "max_prompt_tokens": lengths[-1], "train_max_length": train_max_length, "max_tokens": max_tokens,
+            "prompts_over": sum(n >= train_max_length for n in lengths),
+            "worst_share": round(over / total, 4),
+            "answer_room_at_median": max(0, train_max_length - lengths[len(lengths) // 2])}
+
+
+def trainer_cut_line(cut: dict) -> str:
+    """The estimate in one line, or "" when nothing can be cut."""
+    if not cut or not cut["worst_share"]:
+        return ""
+    line = (f"trainer cut (train_max_length {cut['train_max_length']:,}): up to {cut['worst_share']:.0%} of "
+            f"tokens if answers run to max_tokens {cut['max_tokens']:,}; a median prompt ({cut['median_prompt_tokens']:,} "
+            f"tokens) leaves {cut['answer_room_at_median']:,} for its answer")
+    if cut["prompts_over"]:
+        line += f"; {cut['prompts_over']} of {cut['sampled']} sampled prompts alone pass it"
+    return line + " (the canary measures it)"
 
 
 def check_engine(cfg: RunConfig, report: PreflightReport) -> None:
@@ -322,6 +387,7 @@ def check_installed_engine(cfg: RunConfig, report: PreflightReport) -> None:
 
     installed = ask_engine(cfg, build_command(cfg, cfg.model_path, cfg.servers.base_port))
     report.info["engine"] = installed.source
+    report.info["launch_checked_by"] = f"{installed.source}: {installed.checked}"
     named = False
     for option, known in (("reasoning_parser", installed.reasoning_parsers),
                           ("tool_call_parser", installed.tool_call_parsers)):
@@ -535,7 +601,10 @@ def preflight(cfg: RunConfig, code: bool = True, run_id: str = "cli",
                                       if info.get("agentic_prompts") else "")
                                    + f", engine {cfg.engine}, training as {info.get('train_template')} "
                                    f"({info.get('train_layout')} layout); {work}"
-                                   + (f"\n{plan_line(info['servers'])}" if "servers" in info else ""))
+                                   + (f"\n{plan_line(info['servers'])}" if "servers" in info else "")
+                                   + (f"\nlaunch command checked by {info['launch_checked_by']}"
+                                      if cfg.engine != "sim" and "launch_checked_by" in info else "")
+                                   + (f"\n{line}" if (line := trainer_cut_line(info.get("trainer_cut") or {})) else ""))
 
 
 def plan_line(servers: list[dict]) -> str:

@@ -174,10 +174,16 @@ def render(tokenizer, conversations: Sequence[list[dict[str, Any]]], enable_thin
     return out
 
 
-def render_generation_prompt(tokenizer, messages: list[dict[str, Any]], enable_thinking: bool) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
-    )
+def render_generation_prompt(tokenizer, messages: list[dict[str, Any]], enable_thinking: bool,
+                             tools: list[dict] | None = None) -> str:
+    """``tools``: an agentic row's, rendered with its calls' arguments as objects (as the engine
+    hands them to the template)."""
+    if tools is None:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking)
+    messages = [{**m, "tool_calls": parser_calls(m["tool_calls"])} if m.get("tool_calls") else m for m in messages]
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=enable_thinking)
 
 
 def generation_prefill(tokenizer, fmt: ChatFormat, thinking: bool) -> str:

@@ -21,6 +21,7 @@ class InstalledEngine:
     reasoning_parsers: frozenset[str]
     tool_call_parsers: frozenset[str]
     launch_error: str | None = None  # the engine's own parser on the launch command
+    checked: str = "nothing (no engine to ask)"  # how far the engine's own checks of the command went
 
 
 def ask_engine(cfg: RunConfig, launch_argv: list[str]) -> InstalledEngine:
@@ -40,4 +41,5 @@ def ask_engine(cfg: RunConfig, launch_argv: list[str]) -> InstalledEngine:
     if not found.get("engine"):
         return pinned
     return InstalledEngine(f"{adapter.name} {found['version']} at {python}", frozenset(found["reasoning_parsers"]),
-                           frozenset(found["tool_call_parsers"]), found.get("error"))
+                           frozenset(found["tool_call_parsers"]), found.get("error"),
+                           found.get("checked") or "its argument parser")

@@ -6,9 +6,10 @@ standard library and the engine: regen need not be installed in the engine's ven
 
     ENGINE_PYTHON launch_check.py sglang|vllm [LAUNCH ARG ...]
 
-prints one JSON line: ``{"engine", "version", "reasoning_parsers", "tool_call_parsers", "error"}``;
-``error`` is the engine's own message on the arguments (argparse's names the valid choices), or
-null; ``engine`` is null when the engine does not import here.
+prints one JSON line: ``{"engine", "version", "reasoning_parsers", "tool_call_parsers", "error",
+"checked"}``; ``error`` is the engine's own message on the arguments (argparse's names the valid
+choices), or null; ``checked`` says how far the engine's checks went; ``engine`` is null when the
+engine does not import here.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ def sglang(argv: list[str]) -> dict:
 
     found = {"version": package.__version__, "reasoning_parsers": sorted(REASONING_PARSER_NAMES),
              "tool_call_parsers": sorted(TOOL_CALL_PARSER_NAMES)}
-    return {**found, "error": verdict(lambda: prepare_server_args(argv))}
+    # SGLang checks a model's arguments against its checkpoint in ServerArgs.resolve_once, which
+    # imports its vision and GPU packages: a launch-time check on the node, not one run here.
+    return {**found, "error": verdict(lambda: prepare_server_args(argv)),
+            "checked": "its argument parser only (resolve_once, its checks against the model, runs at launch)"}
 
 
 def vllm(argv: list[str]) -> dict:
@@ -51,7 +55,7 @@ def vllm(argv: list[str]) -> dict:
 
     def parse() -> None:
         validate_parsed_serve_args(make_arg_parser(FlexibleArgumentParser()).parse_args(argv))
-    return {**found, "error": verdict(parse)}
+    return {**found, "error": verdict(parse), "checked": "its argument parser and validate_parsed_serve_args"}
 
 
 def verdict(parse) -> str | None:
