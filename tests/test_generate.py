@@ -322,6 +322,35 @@ def test_a_conversations_turns_stay_on_one_server_while_the_servers_are_balanced
         assert float(cached[0].rsplit(" ", 1)[1]) > 0
 
 
+def test_mapped_shards_place_a_shared_prefix_on_the_same_server_without_talking():
+    """Each of the DAG's mapped shards has its own memory of where prefixes are: a shared system
+    prompt none of its requests has placed yet goes to the server every process ranks first for
+    it (rendezvous), spread over the servers by prefix; a server leaving moves only its own
+    prefixes; where this process has placed the prefix, that server comes first."""
+    import asyncio
+
+    from regen.dispatch import Endpoint, ServerPool
+
+    urls = [f"http://127.0.0.1:{30000 + i}" for i in range(3)]
+    keys = [f"prefix:{i:04x}" for i in range(60)]
+
+    async def first_homes(down: set[str] = frozenset(), placed: dict[str, str] | None = None) -> dict[str, str]:
+        pool = ServerPool([Endpoint(url=u, healthy=u not in down) for u in urls], ClientTuning())
+        for key, url in (placed or {}).items():
+            pool.remember([key], next(e for e in pool.endpoints if e.url == url), {key})
+        out = {key: pool.homes([f"conversation:{key}", key], {key})[0].url for key in keys}
+        assert pool.homes(["conversation:alone", "prefix:unshared"], set()) == []
+        return out
+
+    one, other = asyncio.run(first_homes()), asyncio.run(first_homes())
+    assert one == other  # two processes, the same first home for every shared prefix
+    assert all(list(one.values()).count(u) >= 10 for u in urls)  # spread over the servers
+    without = asyncio.run(first_homes(down={urls[0]}))
+    assert all(without[k] == one[k] for k in keys if one[k] != urls[0])  # only the gone server's move
+    assert all(without[k] != urls[0] for k in keys)
+    assert asyncio.run(first_homes(placed={keys[0]: urls[2] if one[keys[0]] != urls[2] else urls[1]}))[keys[0]] != one[keys[0]]
+
+
 def test_half_written_shard_files_of_a_killed_publish_are_removed_by_the_next_attempt(sim_servers, tmp_path):
     from regen.layout import RunLayout
 

@@ -87,7 +87,7 @@ class Generator:
         retry = True
         attempt = 0
         for attempt in range(1, self.cfg.generation.max_attempts + 1):
-            endpoint = await self.pool.acquire(avoid=endpoint, prefer=self.pool.homes(request.affinity))
+            endpoint = await self.pool.acquire(avoid=endpoint, prefer=self.pool.homes(request.affinity, request.shared))
             sent = time.monotonic()
             retry, latency, tokens = True, None, 0
             try:

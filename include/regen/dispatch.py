@@ -2,7 +2,8 @@
 
 A request goes to a server with a free request slot, never waits for one while another server
 has a slot free: the server that holds its prefix (the conversation's earlier turns, or the
-shared system prompt and tools of conversations before it) when it has a free slot and, in the
+shared system prompt and tools of conversations before it; a shared prefix this process has not
+placed yet, the server every process ranks first for it) when it has a free slot and, in the
 tail, is not behind (its requests decoding at under half the fastest free server's speed); else the one with the fewest outstanding requests relative to its limit, so a slow server
 gets less work; and once the feed has drained, the fastest server with a free slot, so the tail
 ends sooner. A server that keeps failing leaves the rotation and is probed until it is back.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -154,14 +156,27 @@ class ServerPool:
             async with self.cond:
                 self.cond.notify_all()
 
-    def homes(self, keys: list[str]) -> list[Endpoint]:
-        """The servers that hold a prefix of these keys (the most specific key first)."""
+    def homes(self, keys: list[str], shared: set[str] | frozenset[str] = frozenset()) -> list[Endpoint]:
+        """The servers that hold a prefix of these keys (the most specific key first). A shared
+        prefix no request of this process has placed yet goes to its rendezvous server: the
+        DAG's mapped shards, each with its own memory, then warm it on the same server."""
         seen: list[Endpoint] = []
         for key in keys:
-            for endpoint in self._homes.get(key, ()):
+            held = self._homes.get(key, ())
+            if not held and key in shared:
+                held = self._rendezvous(key)
+            for endpoint in held:
                 if endpoint not in seen:
                     seen.append(endpoint)
         return seen
+
+    def _rendezvous(self, key: str) -> list[Endpoint]:
+        """The healthy server ranked first for ``key`` by every process alike (highest random
+        weight: a server leaving moves only its own keys)."""
+        healthy = [e for e in self.endpoints if e.healthy]
+        if not healthy:
+            return []
+        return [max(healthy, key=lambda e: hashlib.blake2b(f"{key}|{e.url}".encode(), digest_size=8).digest())]
 
     def remember(self, keys: list[str], endpoint: Endpoint, shared: set[str]) -> None:
         """``endpoint`` now holds the prefixes of ``keys``; a key in ``shared`` (a system prompt
