@@ -1,11 +1,17 @@
-"""Export to SpecForge's regenerated-data JSONL, checked against its validator's documented rules."""
+"""Export to SpecForge's regenerated-data JSONL, checked against its validator's documented rules and,
+where a SpecForge clone is at hand, its own scripts."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
+from pathlib import Path
 
-from support.data import row, write_dataset
+import pytest
+
+from support.data import TOOLS, row, write_dataset
 from support.paths import BIN
 
 
@@ -79,3 +85,97 @@ def test_audit_and_export_take_an_output_directory_or_its_data(tmp_path, tiny_mo
                                 capture_output=True, text=True, timeout=120)
         assert export.returncode == 0, export.stderr[-2000:]
         assert len(assert_specforge_valid(tmp_path / "train.jsonl")) == 12
+
+
+SPECFORGE_REPO = Path(os.environ.get("REGEN_SPECFORGE_REPO", "/work/.mirror/sgl-project+SpecForge/repo"))
+SPECFORGE_COMMIT = "a6b6b0230009d15ec2a97a57384e6f53f0f96946"  # its v0.3.0 line; scripts read at run time
+SPECFORGE_SCRIPTS = ("validate_regenerated_data.py", "expand_reasoning_conversations.py", "conversation_validation.py")
+
+
+def specforge_scripts(folder: Path) -> Path | None:
+    """SpecForge's data scripts as its git repository has them at SPECFORGE_COMMIT, copied into
+    ``folder`` (never into the project); None where no clone is at hand (REGEN_SPECFORGE_REPO)."""
+    if not (SPECFORGE_REPO / "HEAD").exists() and not (SPECFORGE_REPO / ".git").exists():
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in SPECFORGE_SCRIPTS:
+        (folder / name).write_bytes(subprocess.run(["git", "-C", str(SPECFORGE_REPO), "show", f"{SPECFORGE_COMMIT}:scripts/{name}"],
+                                                   capture_output=True, check=True).stdout)
+    return folder
+
+
+def test_the_specforge_recipe_accounts_for_every_prompt_and_its_files_pass_its_scripts(sim_servers, tmp_path,
+                                                                                        tiny_model):
+    """One run of chat, multi-turn and agentic rows, one conversation preflight skipped and one
+    prompt past the servers' context: `regen export --format specforge` writes the chat file its
+    validator passes, the events file its expander writes from it (record for record), the
+    agentic rows in a file of their own (tools a JSON string), the errors and the skipped in its
+    script's shape, success + error + skipped = the prompts, and the `data:` block of each file.
+    A run with a shard not generated is refused and nothing is written."""
+    from support.data import agentic_messages
+
+    from regen.export import RecipeIncomplete, export_specforge
+    from regen.generate import ShardRun
+    from regen.preflight import preflight
+
+    records = [{"id": f"single{i}", "prompt": f"Question {i}: why is the sky blue?"} for i in range(4)]
+    records += [{"id": f"multi{i}", "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Multi {i}: what is rain?"},
+        {"role": "assistant", "content": "Water."}, {"role": "user", "content": "And snow?"}]} for i in range(3)]
+    records += [{"id": f"agent{i}", "tools": TOOLS, "messages": agentic_messages(f"Agent {i}", [["get_weather"], ["get_time"]])}
+                for i in range(3)]
+    records += [{"id": "twice", "messages": [{"role": "user", "content": "u1"}, {"role": "user", "content": "u2"}]},
+                {"id": "long", "prompt": "long " + "word " * 1500}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg, servers = sim_servers(num_servers=1, prompts=str(prompts), num_shards=1, tool_call_parser="qwen25",
+                               skip_invalid=True, max_error_fraction=1.0, extra_server_args=["--context-length", "2200"])
+    preflight(cfg, code=False)
+    ShardRun(cfg, [(s.url, s.api_key) for s in servers], 0, "m").run()
+
+    out = tmp_path / "recipe"
+    result = export_specforge(cfg.output, out, tiny_model, max_length=2048)
+    counts = result.counts
+    assert (counts["chat"], counts["agentic"], counts["error"], counts["skipped"]) == (7, 3, 1, 1)
+    assert result.prompts == len(records) and result.layout == "events"
+    read = lambda name: [json.loads(line) for line in (out / name).read_text().splitlines()]  # noqa: E731
+    chat, events, agentic = read("regenerated.jsonl"), read("regenerated_events.jsonl"), read("regenerated_agentic.jsonl")
+    assert sorted(r["id"] for r in chat) == sorted([f"single{i}" for i in range(4)] + [f"multi{i}" for i in range(3)])
+    assert_specforge_valid(out / "regenerated.jsonl")
+    assert len(events) == 4 + 3 * 2 == counts["events"]
+    assert all(isinstance(r["tools"], str) and json.loads(r["tools"])[0]["type"] == "function" for r in agentic)
+    assert {r["source_id"] for r in agentic} == {f"agent{i}" for i in range(3)}  # events: one per step
+    assert any(m["role"] == "tool" for r in agentic for m in r["conversations"])
+    [error] = read("regenerated_error.jsonl")
+    assert error["id"] == "long" and error["status"] == "error" and "context length" in error["error"]
+    [skipped] = read("regenerated_skipped.jsonl")
+    assert skipped["status"] == "skipped" and skipped["error"].startswith("role_order") and skipped["data"]["line"] == 11
+    import yaml
+
+    blocks = yaml.safe_load((out / "specforge_data.yaml").read_text())
+    assert [name for name, b in blocks.items() if b["recommended"]] == ["regenerated_events.jsonl", "regenerated_agentic.jsonl"]
+    assert blocks["regenerated_events.jsonl"]["data"] == {
+        "train_data_path": str((out / "regenerated_events.jsonl").resolve()), "chat_template": "qwen3-thinking",
+        "max_length": 2048, "train_only_last_turn": True}
+
+    scripts = specforge_scripts(tmp_path / "specforge")
+    if scripts is not None:  # SpecForge's own scripts on the same files
+        checked = subprocess.run([sys.executable, str(scripts / "validate_regenerated_data.py"), "--data-path",
+                                  str(out / "regenerated.jsonl"), "--expect-reasoning", "--strict-think-markers"],
+                                 capture_output=True, text=True, timeout=120)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        expanded = tmp_path / "expanded.jsonl"
+        ran = subprocess.run([sys.executable, str(scripts / "expand_reasoning_conversations.py"), "--input-file-path",
+                              str(out / "regenerated.jsonl"), "--output-file-path", str(expanded)],
+                             capture_output=True, text=True, timeout=120)
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        assert [json.loads(line) for line in expanded.read_text().splitlines()] == events
+
+    # A run with a shard never generated: refused, nothing written.
+    unfinished, others = sim_servers(num_servers=1, prompts=str(prompts), num_shards=2, skip_invalid=True,
+                                     tool_call_parser="qwen25", output=str(tmp_path / "unfinished"))
+    preflight(unfinished, code=False)
+    ShardRun(unfinished, [(s.url, s.api_key) for s in others], 0, "m").run()
+    with pytest.raises(RecipeIncomplete, match=r"have no row \(is every shard finished\?\)"):
+        export_specforge(unfinished.output, tmp_path / "refused", tiny_model)
+    assert not list((tmp_path / "refused").glob("*.jsonl"))

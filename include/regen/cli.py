@@ -21,7 +21,7 @@ from regen.audit.findings import AuditFailed
 from regen.config import RunConfig, run_fields
 from regen.engines.simulator.app import main as simulator_main
 from regen.errors import DataError, RegenError
-from regen.export import export_sharegpt, export_tokens
+from regen.export import RecipeIncomplete, export_sharegpt, export_specforge, export_tokens
 from regen.files import read_json
 from regen.pipeline import execute, run
 from regen.preflight import PreflightFailed
@@ -202,6 +202,16 @@ def cmd_audit(args) -> int:
 
 
 def cmd_export(args) -> int:
+    if args.format == "specforge":
+        cfg = load_config(args)
+        try:
+            result = export_specforge(args.data, args.out, args.tokenizer or cfg.model_path, cfg.audit.train_template,
+                                      args.layout or cfg.audit.train_layout, cfg.audit.train_max_length)
+        except RecipeIncomplete as exc:
+            print(exc, file=sys.stderr)
+            return EXIT_FAILED
+        print(result.summary())
+        return 0
     if args.format == "tokens":
         cfg = load_config(args)
         result = export_tokens(args.data, args.out, args.tokenizer or cfg.model_path, cfg.audit.train_template,
@@ -320,16 +330,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write the dataset as SpecForge/DFlash training JSONL")
     _add_config_flags(p)
     p.add_argument("--data", required=True, help="an output directory or its data/")
-    p.add_argument("--format", choices=["sharegpt", "tokens"], default="sharegpt",
+    p.add_argument("--format", choices=["sharegpt", "tokens", "specforge"], default="sharegpt",
                    help="sharegpt: conversations (text); tokens: input_ids and loss_mask from the "
-                        "tokens the engine returned")
+                        "tokens the engine returned; specforge: every file of SpecForge's recipe, in the "
+                        "folder --out, with the `data:` block of each")
     p.add_argument("--layout", choices=["conversation", "events"], default=None,
                    help="conversation: one record per prompt (sharegpt's default: what SpecForge's "
                         "regenerate script writes and its validator checks); events: one per assistant "
                         "turn (what its expand_reasoning_conversations.py writes; train with "
-                        "train_only_last_turn). tokens: default the run's train_layout")
-    p.add_argument("--tokenizer", help="tokens: tokenizer directory (default: the model path)")
-    p.add_argument("--out", required=True, type=Path, help="JSONL file to write")
+                        "train_only_last_turn). tokens, specforge: default the run's train_layout")
+    p.add_argument("--tokenizer", help="tokens, specforge: tokenizer directory (default: the model path)")
+    p.add_argument("--out", required=True, type=Path, help="JSONL file to write (specforge: a folder)")
     p.add_argument("--expect-reasoning", action=argparse.BooleanOptionalAction, default=True,
                    help="leave out rows without reasoning (default), as training with thinking needs")
     p.set_defaults(func=cmd_export)

@@ -6,7 +6,10 @@ one line per prompt, every regenerated assistant turn with its reasoning; with `
 what its ``expand_reasoning_conversations.py`` writes from that file (regen.training). Rows that
 would fail ``scripts/validate_regenerated_data.py --expect-reasoning --strict-think-markers``
 (failed prompts, empty messages, roles out of order, an assistant turn without reasoning,
-leftover think markers) are left out and counted, so the file passes that validator as written.
+leftover think markers) are left out and counted. Agentic rows are written too, in its trainer's
+tool-use shape, which that validator and expander refuse (tool messages, call steps without
+text): ``specforge`` (:func:`export_specforge`) writes every file of SpecForge's recipe, the
+agentic rows in one of their own, and accounts for every prompt.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from pathlib import Path
 from regen.chat.loss import assistant_spans, training_tokens
 from regen.chat.render import generation_prefill, load_tokenizer, render, resolve_training
 from regen.chat.templates import TRAIN_TEMPLATES
-from regen.files import atomic_file
+from regen.files import atomic_file, atomic_write_text
 from regen.layout import RunLayout
-from regen.rows import asked_thinking, iter_batches
+from regen.manifest import Manifest
+from regen.rows import asked_thinking, iter_batches, row_messages
 from regen.training import TrainLayout, conversation_record, event_records, training_conversation, training_samples, why_left_out
 
 @dataclass
@@ -128,3 +132,138 @@ def _export(data_dir: str | Path, out: str | Path, record, unit: str = "records"
                     fh.write(json.dumps(doc, ensure_ascii=False) + "\n")
                 result.written += len(docs)
     return result
+
+
+# SpecForge's recipe, file by file (export_specforge): its regenerate script's names for the
+# conversations and their failures, and regen's for what its own steps do not produce.
+RECIPE_CHAT, RECIPE_EVENTS, RECIPE_AGENTIC = "regenerated.jsonl", "regenerated_events.jsonl", "regenerated_agentic.jsonl"
+RECIPE_ERROR, RECIPE_SKIPPED, RECIPE_CONFIG = "regenerated_error.jsonl", "regenerated_skipped.jsonl", "specforge_data.yaml"
+
+
+class RecipeIncomplete(ValueError):
+    """success + error + skipped is not the run's prompt count (SpecForge's script refuses such a run)."""
+
+
+@dataclass
+class RecipeResult:
+    folder: Path
+    counts: Counter
+    layout: str
+    data_blocks: dict[str, dict]
+    prompts: int | None  # the run's prompts, as its manifest counts them (None: no manifest)
+
+    def summary(self) -> str:
+        c = self.counts
+        train = [name for name, block in self.data_blocks.items() if block.get("recommended")]
+        return (f"wrote {self.folder}: {c['chat']:,} chat conversations ({c['events']:,} events), "
+                f"{c['agentic']:,} agentic conversations ({c['agentic_records']:,} records, {self.layout} layout), "
+                f"{c['error']:,} errors, {c['skipped']:,} skipped"
+                + (f" = {self.prompts:,} prompts" if self.prompts is not None else " (no manifest: not counted against the prompts)")
+                + f"\ntrain on {' and '.join(train)}; the `data:` block of each file is in {self.folder / RECIPE_CONFIG}")
+
+
+def export_specforge(data_dir: str | Path, out_dir: str | Path, tokenizer_dir: str | Path,
+                     template_name: str = "auto", layout: str = "auto",
+                     max_length: int | None = 2048) -> RecipeResult:
+    """Every file SpecForge's documented steps take, from one run, in ``out_dir``:
+
+    - ``regenerated.jsonl``: the chat conversations as its regenerate_train_data.py writes them,
+      which its validate_regenerated_data.py (--expect-reasoning --strict-think-markers) and
+      expand_reasoning_conversations.py take;
+    - ``regenerated_events.jsonl``: what that expander writes from it (trained with
+      train_only_last_turn);
+    - ``regenerated_agentic.jsonl``: the agentic conversations in its trainer's tool-use shape
+      (``tools`` a JSON string, as its data loader decodes it: a list would have Arrow merge the
+      schemas of every row), in the run's training layout; its validator and expander take no
+      tool messages, so they get a file of their own, which the trainer reads as it is;
+    - ``regenerated_error.jsonl`` and ``regenerated_skipped.jsonl``: what failed and what was left
+      out (by preflight, or by the validator's rules), shaped as its script writes them; success +
+      error + skipped must be the run's prompts (RecipeIncomplete otherwise, and nothing written);
+    - ``specforge_data.yaml``: the ``data:`` block of a SpecForge run config for each training file.
+    """
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    template_name, layout = resolve_training(tokenizer, template_name, layout)
+    run = RunLayout.from_data_arg(data_dir)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    counts: Counter = Counter()
+
+    def line(fh, doc: dict) -> None:
+        fh.write(json.dumps(doc, ensure_ascii=False) + "\n")
+
+    with (atomic_file(out / RECIPE_CHAT) as chat, atomic_file(out / RECIPE_EVENTS) as events,
+          atomic_file(out / RECIPE_AGENTIC) as agentic, atomic_file(out / RECIPE_ERROR) as errors,
+          atomic_file(out / RECIPE_SKIPPED) as skipped):
+        for rows in iter_batches(run):
+            for row in rows:
+                if row.get("error") is not None:
+                    line(errors, {"id": str(row["id"]), "conversations": [
+                        {"role": m["role"], "content": m.get("content")} for m in row_messages(row)],
+                        "status": "error", "error": row["error"]})
+                    counts["error"] += 1
+                    continue
+                record = conversation_record(row)
+                reason = why_left_out(row, expect_reasoning=True)
+                if reason:
+                    line(skipped, {**record, "status": "skipped", "error": reason})
+                    counts["skipped"] += 1
+                elif record.get("tools") or any(m["role"] == "tool" or m.get("tool_calls")
+                                                for m in record["conversations"]):
+                    if record.get("tools"):
+                        record["tools"] = json.dumps(record["tools"], ensure_ascii=False)
+                    docs = event_records(record, counts["agentic"]) if layout == "events" else [record]
+                    for doc in docs:
+                        line(agentic, doc)
+                    counts["agentic"] += 1
+                    counts["agentic_records"] += len(docs)
+                else:
+                    line(chat, record)
+                    for doc in event_records(record, counts["chat"]):
+                        line(events, doc)
+                        counts["events"] += 1
+                    counts["chat"] += 1
+        manifest = Manifest(run).read().get("prompts") or {}
+        refused = ([json.loads(text) for text in run.skipped_prompts.read_text().splitlines() if text.strip()]
+                   if run.skipped_prompts.is_file() else [])
+        for left in refused:  # by preflight, before anything was sent (skip_invalid)
+            line(skipped, {"status": "skipped", "error": f"{left['rule']}: {left['reason']}",
+                           "data": {"file": left["file"], "line": left["line"]}})
+        kept = [problem for _, problem in manifest.get("unreadable") or []]
+        unreadable = manifest.get("unreadable_count") or 0
+        for i in range(unreadable):
+            line(skipped, {"status": "skipped", "data": None, "error": kept[i] if i < len(kept) else
+                           "an unreadable record of the prompts file (preflight listed the first ones)"})
+        counts["skipped"] += len(refused) + unreadable
+        prompts = manifest["count"] + len(refused) + unreadable if "count" in manifest else None
+        done = counts["chat"] + counts["agentic"] + counts["error"] + counts["skipped"]
+        if prompts is not None and done != prompts:
+            raise RecipeIncomplete(
+                f"{data_dir}: success {counts['chat'] + counts['agentic']:,} + error {counts['error']:,} + skipped "
+                f"{counts['skipped']:,} = {done:,}, but the run has {prompts:,} prompts: "
+                f"{prompts - done:,} have no row (is every shard finished?); nothing written")
+    blocks = _data_blocks(out, template_name, layout, max_length, counts)
+    atomic_write_text(out / RECIPE_CONFIG, _recipe_yaml(blocks, layout))
+    return RecipeResult(out, counts, layout, blocks, prompts)
+
+
+def _data_blocks(out: Path, template_name: str, layout: str, max_length: int | None, counts: Counter) -> dict[str, dict]:
+    """Each training file's ``data:`` block, and whether the run's training layout trains on it."""
+    def block(name: str, records: int, last_turn_only: bool, recommended: bool) -> dict:
+        data = {"train_data_path": str((out / name).resolve()), "chat_template": template_name}
+        data |= {"max_length": max_length} if max_length else {}
+        return {"records": records, "recommended": recommended,
+                "data": data | {"train_only_last_turn": last_turn_only}}
+
+    events = layout == "events"
+    return {RECIPE_CHAT: block(RECIPE_CHAT, counts["chat"], False, not events),
+            RECIPE_EVENTS: block(RECIPE_EVENTS, counts["events"], True, events),
+            RECIPE_AGENTIC: block(RECIPE_AGENTIC, counts["agentic_records"], events, True)}
+
+
+def _recipe_yaml(blocks: dict[str, dict], layout: str) -> str:
+    import yaml
+
+    train = " and ".join(name for name, b in blocks.items() if b["recommended"])
+    return (f"# The `data:` block of a SpecForge run config (specforge train -c) for each file regen wrote.\n"
+            f"# This run trains in the {layout} layout: {train}.\n"
+            + yaml.safe_dump(blocks, sort_keys=False))
