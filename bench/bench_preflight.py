@@ -77,10 +77,13 @@ def main() -> None:
         model = build_tiny_model(tmp / "model")
         cfg = RunConfig.from_mapping({"model_path": str(model), "prompts": str(prompts),
                                       "output": str(tmp / "out"), "staging_dir": str(tmp / "shm"),
-                                      "base_port": 39501})
+                                      "base_port": 39501, "num_shards": 8})
         bare = timed(lambda: sum(1 for line in prompts.open("rb") for _ in [json.loads(line)]))
-        checks = timed(lambda: check_prompts(cfg, PreflightReport()))
-        whole = timed(lambda: run_preflight(cfg))
+        report = PreflightReport()
+        checks = timed(lambda: check_prompts(cfg, report))
+        assert not report.problems and report.info["prompts"] == args.prompts, report.problems[:3]
+        whole = timed(lambda: report.__dict__.update(run_preflight(cfg).__dict__))
+        assert report.ok, report.problems[:3]  # a time of a preflight that failed early measures nothing
 
         copy = seed_bug_project(tmp)
         small = cfg.model_copy(update={"prompts": str(PROJECT_ROOT / "demo" / "prompts.jsonl")})
