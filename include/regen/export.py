@@ -247,7 +247,8 @@ def export_specforge(data_dir: str | Path, out_dir: str | Path, tokenizer_dir: s
 
 
 def _data_blocks(out: Path, template_name: str, layout: str, max_length: int | None, counts: Counter) -> dict[str, dict]:
-    """Each training file's ``data:`` block, and whether the run's training layout trains on it."""
+    """Each training file's ``data:`` block, and whether the run's training layout trains on it
+    (never on an empty file)."""
     def block(name: str, records: int, last_turn_only: bool, recommended: bool) -> dict:
         data = {"train_data_path": str((out / name).resolve()), "chat_template": template_name}
         data |= {"max_length": max_length} if max_length else {}
@@ -255,9 +256,9 @@ def _data_blocks(out: Path, template_name: str, layout: str, max_length: int | N
                 "data": data | {"train_only_last_turn": last_turn_only}}
 
     events = layout == "events"
-    return {RECIPE_CHAT: block(RECIPE_CHAT, counts["chat"], False, not events),
-            RECIPE_EVENTS: block(RECIPE_EVENTS, counts["events"], True, events),
-            RECIPE_AGENTIC: block(RECIPE_AGENTIC, counts["agentic_records"], events, True)}
+    return {RECIPE_CHAT: block(RECIPE_CHAT, counts["chat"], False, not events and counts["chat"] > 0),
+            RECIPE_EVENTS: block(RECIPE_EVENTS, counts["events"], True, events and counts["chat"] > 0),
+            RECIPE_AGENTIC: block(RECIPE_AGENTIC, counts["agentic_records"], events, counts["agentic"] > 0)}
 
 
 def _recipe_yaml(blocks: dict[str, dict], layout: str) -> str:
