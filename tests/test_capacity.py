@@ -87,7 +87,8 @@ def test_the_dry_run_shows_what_limits_a_qwen36_server_and_the_flags_that_raise_
 def test_a_launched_server_far_from_the_plan_is_named(make_config, tmp_path, monkeypatch):
     """On a GPU node (an nvidia-smi that reports an H200) the server's own /server_info is read
     after launch: one that runs 7 requests where the plan says more is named with the plan."""
-    from regen.servers.lifecycle import against_plan, launch_servers, stop_records
+    from regen.servers.lifecycle import launch_servers, stop_records
+    from regen.servers.plan import against_plan
 
     smi = tmp_path / "bin" / "nvidia-smi"
     smi.parent.mkdir()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from regen.servers.lifecycle import build_command
+from regen.servers.plan import build_command
 from support.engines import SGLANG_PYTHON, VLLM_PYTHON
 
 PARSE = """

@@ -85,7 +85,8 @@ def test_a_task_on_the_wrong_worker_touches_none_of_the_nodes_servers(make_confi
     shard, a start, a relaunch, a teardown, the watchdog) fails at once naming both machines or
     leaves the servers alone: no signal, no record rewritten. gpu-a's own teardown stops them."""
     from regen.pipeline import run
-    from regen.servers.lifecycle import ServerError, is_healthy, relaunch
+    from regen.servers.lifecycle import ServerError, relaunch
+    from regen.servers.probe import is_healthy
     from regen.servers.watchdog import watch
 
     cfg = make_config(num_servers=2)

@@ -298,9 +298,9 @@ def test_regenerate_turns_last_with_thinking_is_refused_when_history_has_answers
 ])
 def test_a_chat_template_bomb_is_refused_within_its_budget_naming_the_file(make_config, tiny_model, tmp_path,
                                                                            monkeypatch, bomb):
-    import regen.preflight as preflight
+    import regen.preflight.inputs as inputs
 
-    monkeypatch.setattr(preflight, "TEMPLATE_SECONDS", 5.0)
+    monkeypatch.setattr(inputs, "TEMPLATE_SECONDS", 5.0)
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
     (model / "chat_template.jinja").write_text(bomb + (model / "chat_template.jinja").read_text())
@@ -335,7 +335,8 @@ def test_the_share_the_trainer_will_cut_is_estimated_before_any_gpu_time(make_co
     """A fifth of the prompts are longer than train_max_length on their own: the estimate, on a
     sample of the file, finds about that share, and says how much room a median prompt leaves;
     with room for everything it says nothing."""
-    from regen.preflight import CUT_SAMPLE, preflight
+    from regen.preflight import preflight
+    from regen.preflight.template import CUT_SAMPLE
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": ("word " * 1000 if i % 5 == 0 else f"question {i}?")})

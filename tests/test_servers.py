@@ -14,7 +14,9 @@ import pytest
 
 from regen.layout import RunLayout
 from regen.procs import session_pids
-from regen.servers.lifecycle import ServerError, build_command, port_is_free, launch_servers, stop_records, stop_recorded
+from regen.servers.lifecycle import ServerError, launch_servers, stop_records, stop_recorded
+from regen.servers.plan import build_command
+from regen.servers.probe import port_is_free
 from regen.servers.records import ServerRecord
 from support.processes import processes_with_args
 
@@ -165,7 +167,7 @@ def test_a_vllm_server_on_the_cpu_runs_its_model_in_the_engine_core_and_the_node
     front end (bench/RESULTS.md): a CPU server runs without it, a GPU server as vLLM chooses, and a
     value the node sets itself wins."""
     from regen.engines import engine
-    from regen.servers.lifecycle import server_env
+    from regen.servers.plan import server_env
 
     vllm = engine("vllm")
     assert vllm.launch_env(None) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -215,7 +217,7 @@ def fake_smi(tmp_path, monkeypatch):
 def test_servers_run_on_the_gpus_the_worker_was_given(make_config, fake_smi, mask, gpus, tp, dp, expected):
     """Each server's GPUs come from the worker's CUDA_VISIBLE_DEVICES (tp_size x dp_size of them,
     server i the i-th group), and are what that server's own CUDA_VISIBLE_DEVICES becomes."""
-    from regen.servers.lifecycle import server_env, server_plan
+    from regen.servers.plan import server_env, server_plan
 
     fake_smi(mask)
     cfg = make_config(engine="sglang", gpus=gpus, num_servers=2, tp_size=tp, dp_size=dp)

@@ -8,7 +8,8 @@ import sys
 import httpx
 import pytest
 
-from regen.servers.lifecycle import port_is_free, wait_healthy
+from regen.servers.lifecycle import wait_healthy
+from regen.servers.probe import port_is_free
 from regen.servers.records import ServerRecord
 from support.paths import BIN
 from support.processes import free_port_base, wait_until

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from regen.pipeline import run
-from regen.servers.lifecycle import port_is_free
+from regen.servers.probe import port_is_free
 from support.data import read_ids, turn_requests
 from support.paths import BIN, ROOT
 from support.processes import free_port_base, processes_with_args, wait_until

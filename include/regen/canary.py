@@ -24,7 +24,7 @@ from regen.placement import servers_for
 from regen.progress import RunProgress
 from regen.prompts import Prompt, read_prompts
 from regen.results import CanaryReport
-from regen.servers.lifecycle import against_plan
+from regen.servers.plan import against_plan
 from regen.toolcalls import written_call
 from regen.turns import TOOL_DIVERGENCE, Conversation, steps
 from regen.units import format_duration

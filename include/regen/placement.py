@@ -30,6 +30,7 @@ from regen.errors import RegenError
 from regen.machine import node_name
 from regen.manifest import Manifest
 from regen.servers import lifecycle
+from regen.servers.probe import is_healthy
 from regen.servers.records import ServerRecord, read_state
 from regen.weights import staged_model
 
@@ -47,7 +48,7 @@ class NoNodeAnswers(RegenError):
 
 def node_answers(node_cfg: RunConfig) -> bool:
     """At least one of the node's recorded servers answers /health."""
-    return any(lifecycle.is_healthy(r.url, timeout=3.0) for r in read_state(node_cfg.layout) if r.url)
+    return any(is_healthy(r.url, timeout=3.0) for r in read_state(node_cfg.layout) if r.url)
 
 
 def can_take_shards(cfg: RunConfig, spec: NodeSpec) -> bool:

@@ -66,7 +66,7 @@ STAGES: dict[str, Stage] = {stage.name: stage for stage in (
           takes_run_id=True, deadline_s=900.0),
     Stage("audit", "regen.audit.dataset", results.AuditResult, Where.AFTER_GENERATION,
           deadline_s=6 * 3600.0),
-    Stage("server_plan", "regen.servers.lifecycle", results.ServerPlan, Where.NODE, deadline_s=300.0),
+    Stage("server_plan", "regen.servers.plan", results.ServerPlan, Where.NODE, deadline_s=300.0),
     Stage("server_logs", "regen.servers.lifecycle", results.ServerLogs, Where.NODE, deadline_s=300.0),
     Stage("status", "regen.status", results.RunStatus, Where.RUN, deadline_s=60.0),
 )}

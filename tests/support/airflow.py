@@ -6,7 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from regen.servers.lifecycle import port_is_free
+from regen.servers.probe import port_is_free
 from support.paths import BIN, DAG_FILE, ROOT
 from support.processes import free_port_base, processes_with_args, processes_with_env, wait_until
 

@@ -4,7 +4,7 @@ import os
 import random
 from pathlib import Path
 
-from regen.servers.lifecycle import port_is_free
+from regen.servers.probe import port_is_free
 
 
 def _below_ephemeral() -> int:

@@ -4,7 +4,8 @@ Each server runs in its own session (``setsid``), so the whole process tree, SGL
 children included, is signalled as one group and outlives the Airflow task that started it. A
 recorded server (regen.servers.records) is reused only when it is the same process, healthy,
 launched with the same arguments and serving the same model; a teardown stops only the servers
-its run owns. The launch command comes from the engine's adapter (:mod:`regen.engines`). The
+its run owns. What is launched (argv, environment, GPUs) is planned in :mod:`regen.servers.plan`
+from the engine's adapter; ports and health are probed with :mod:`regen.servers.probe`. The
 node's watchdog (:mod:`regen.servers.watchdog`) is started with the first server and stopped
 with the last.
 """
@@ -14,12 +15,10 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -34,11 +33,11 @@ from regen.files import atomic_write_json, read_json
 from regen.layout import RunLayout
 from regen.machine import node_name
 from regen.manifest import Manifest, model_fingerprint
-from regen.results import PlannedServer, ServerLogs, ServerPlan, ServersStopped, ServersUp
-from regen.servers import capacity
-from regen.servers.gpus import detect_gpu_memory_mib, server_devices
+from regen.results import ServerLogs, ServersStopped, ServersUp
+from regen.servers.plan import build_command, server_env
+from regen.servers.probe import is_healthy, log_tail, port_is_free
+from regen.servers.gpus import server_devices
 from regen.servers.records import ServerRecord, read_state, watchdog_file, write_state
-from regen.weights import staged_path
 
 log = logging.getLogger("regen.servers")
 START_LEASE = "start-servers"  # held while servers start: a starter killed mid-way leaves it behind
@@ -48,53 +47,6 @@ class ServerError(RegenError):
     """A server that could not be started or stopped; the message says which and why."""
 
 
-def build_command(cfg: RunConfig, model_path: str, port: int) -> list[str]:
-    """The launch argv of one server, from the engine's adapter: a list, never a shell string,
-    and never the key (it reaches the server through its environment)."""
-    return engine(cfg.engine).launch_argv(cfg, model_path, port)
-
-
-def server_env(gpu: str | int | None, engine_env: dict[str, str] | None = None,
-               key_env: dict[str, str] | None = None) -> dict[str, str]:
-    """The node's environment, with the engine's defaults under it, the server's GPUs and its key."""
-    env = dict(os.environ)
-    for name, value in (engine_env or {}).items():
-        env.setdefault(name, value)
-    env.update(key_env or {})
-    if gpu is not None:
-        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
-
-
-def port_is_free(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def is_healthy(url: str, timeout: float = 5.0) -> bool:
-    try:
-        return httpx2.get(f"{url}/health", timeout=timeout).status_code == 200
-    except httpx2.HTTPError:
-        return False
-
-
-def log_tail(path: str | Path, lines: int = 20) -> str:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - 16384))
-            return "\n".join(fh.read().decode("utf-8", "replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
 @contextmanager
 def node_lock(layout: RunLayout):
     """One process at a time starts or stops this output's servers on this node."""
@@ -102,56 +54,6 @@ def node_lock(layout: RunLayout):
     os.chmod(layout.servers, 0o700)  # logs and servers.json hold what only the owner may read
     with FileLock(layout.servers_lock):
         yield
-
-
-def server_plan(cfg: RunConfig, model_path: str | None = None, gpu: str | None = None) -> ServerPlan:
-    """What start_servers would launch on this node, started nowhere: each server's port, GPUs
-    and command line (as the process will show it: without its key), and on a named or detected
-    GPU what each server can run and what limits it."""
-    if model_path is None:  # what start_servers will be given: the staged copy when staging is on
-        model_path = str(staged_path(Path(cfg.model_path), Path(cfg.staging_dir))) if cfg.stage_weights \
-            else cfg.model_path
-    adapter = engine(cfg.engine)
-    return ServerPlan(servers=[
-        PlannedServer(index=index, port=cfg.servers.base_port + index, cuda_visible_devices=devices,
-                      argv=adapter.server_argv(build_command(cfg, model_path, cfg.servers.base_port + index)))
-        for index, devices in enumerate(server_devices(cfg))], operating_point=operating_point(cfg, gpu))
-
-
-def operating_point(cfg: RunConfig, gpu: str | None = None) -> dict | None:
-    """The plan of :mod:`regen.servers.capacity` for this config's model, as the dry run shows it;
-    None without a GPU or a config.json to plan from."""
-    detected = detect_gpu_memory_mib()
-    if gpu is None and detected is None:
-        return None
-    if not (Path(cfg.model_path) / "config.json").is_file():
-        return None
-    try:
-        point = capacity.plan_for(cfg, cfg.model_path, gpu or str(detected), cfg.sampling.max_tokens)
-    except (ValueError, KeyError, TypeError) as exc:  # weights too large, or a config it cannot read
-        return {"problem": f"{cfg.model_path}: no operating point: {exc}"}
-    return {**asdict(point), "summary": point.lines()}
-
-
-def against_plan(cfg: RunConfig, record: ServerRecord) -> str | None:
-    """After launch, on a GPU node: a sentence when this server sized its pools far from the plan
-    (its ``/server_info``), None when close or when there is no plan."""
-    planned = operating_point(cfg)
-    if not planned or "kv_tokens" not in planned:
-        return None
-    adapter = engine(cfg.engine)
-    headers = {"Authorization": f"Bearer {record.api_key}"} if record.api_key else {}
-    for path in adapter.info_paths:
-        try:
-            info = httpx2.get(f"{record.url}{path}", headers=headers, timeout=10).json()
-        except (httpx2.HTTPError, ValueError):
-            continue
-        if isinstance(info, dict):
-            states = [s for s in info.get("internal_states") or [] if isinstance(s, dict)] or [{}]
-            tokens = (states[0].get("memory_usage") or {}).get("token_capacity")
-            note = capacity.compare(planned, tokens, adapter.effective_limit(info, None))
-            return f"server {record.url}: {note}; plan: {' / '.join(planned['summary'])}" if note else None
-    return None
 
 
 def mismatch(record: ServerRecord, cfg: RunConfig, model_path: str, fingerprint: str | None) -> str | None:
