@@ -206,3 +206,68 @@ def test_parallel_calls_in_another_order_diverge_and_are_never_spliced_onto_the_
                       "recorded step calls ['get_weather', 'get_date']")
     same = [dict(c, function=dict(c["function"])) for c in reversed(swapped)]
     assert conversation.divergence({"tool_calls": same, "finish_reason": "tool_calls"}) is None
+
+
+@pytest.mark.parametrize("model, history_reasoning", [("qwen3", "template"), ("qwen36", "template"),
+                                                      ("drops_reasoning", "template"), ("qwen3", "never")])
+def test_a_step_is_asked_with_the_reasoning_the_models_template_renders(sim_servers, tmp_path, tiny_model,
+                                                                        qwen3_tokenizer_dir, qwen36_dir, model,
+                                                                        history_reasoning):
+    """history_reasoning template: step k of the agent loop (after the last user message) is sent
+    with step k-1's reasoning, and the server's template renders it into the prompt it serves; an
+    earlier chat turn's reasoning is never sent (Qwen3's and Qwen3.6's templates drop it). A
+    template that renders no earlier reasoning is sent none; history_reasoning never sends none."""
+    import shutil
+
+    from regen.chat.render import load_tokenizer
+    from regen.generate import ShardRun
+    from regen.preflight import preflight
+
+    folder = tmp_path / "model"
+    if model == "qwen36":
+        folder = qwen36_dir
+    else:
+        shutil.copytree(tiny_model, folder)
+        if model == "qwen3":  # the real Qwen3 tokenizer and its official template
+            (folder / "chat_template.jinja").unlink()
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(qwen3_tokenizer_dir / name, folder / name)
+        else:
+            template = folder / "chat_template.jinja"
+            template.write_text(template.read_text().replace("(loop.index0 > last_user.index and reasoning)", "false"))
+    loop = agentic_messages("Loop", [["get_weather"], ["get_time"]])
+    chat = agentic_messages("Chat", [["get_weather"], ["get_time"]]) + [
+        {"role": "user", "content": "And tomorrow?"}, {"role": "assistant", "content": "Also fine."}]
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "loop", "tools": TOOLS, "messages": loop},
+                                                 {"id": "chat", "tools": TOOLS, "messages": chat}])
+    log = tmp_path / "requests.jsonl"
+    cfg, records = sim_servers(model_path=str(folder), prompts=str(prompts), num_servers=1, num_shards=1,
+                               tool_call_parser="qwen3_coder" if model == "qwen36" else "qwen25",
+                               sim_follow_recorded=True, history_reasoning=history_reasoning,
+                               extra_server_args=["--sim-request-log", str(log)])
+    preflight(cfg, code=False)
+    ShardRun(cfg, [(r.url, r.api_key) for r in records], 0, "m").run()
+
+    rows = pd.read_parquet(f"{cfg.output}/data").set_index("id")
+    assert rows["error"].isna().all() and [len(rows.loc[i, "turns"]) for i in ("loop", "chat")] == [3, 4]
+    sent_any = history_reasoning == "template" and model != "drops_reasoning"
+    requests = [json.loads(line)["messages"] for line in log.read_text().splitlines()]
+    assert len(requests) == 7
+    for marker in ("Loop", "Chat"):
+        reasoning = [m["reasoning_content"] for m in rows.loc[marker.lower(), "messages"] if m["role"] == "assistant"]
+        assert all(reasoning)
+        asked = [r for r in requests if r[1]["content"].startswith(marker)]
+        for k, request in enumerate(sorted(asked, key=len)):
+            last_user = max(i for i, m in enumerate(request) if m["role"] == "user")
+            steps = [(i, m) for i, m in enumerate(request) if m["role"] == "assistant"]
+            assert len(steps) == k
+            for step, (i, message) in enumerate(steps):  # after the last user message: the loop's steps
+                expected = reasoning[step] if sent_any and i > last_user else None
+                assert message.get("reasoning_content") == expected, (marker, k, step, message)
+    # At the server: the loop's last step was served a prompt holding both earlier steps' reasoning
+    # exactly when it was sent; after the second user message no template renders the loop's.
+    tokenizer = load_tokenizer(str(folder))
+    for i, rendered in (("loop", sent_any), ("chat", False)):
+        prompt = tokenizer.decode(rows.loc[i, "prompt_token_ids"])
+        reasoning = [m["reasoning_content"] for m in rows.loc[i, "messages"] if m["role"] == "assistant"]
+        assert [r in prompt for r in reasoning[:2]] == [rendered, rendered], (i, prompt)

@@ -110,7 +110,8 @@ AGENTIC = [
 
 def agentic_exchange(cfg, url: str, api_key: str) -> tuple[list[dict], list[dict]]:
     """A two-step agentic conversation as regen regenerates it: its requests (the second with
-    the recorded results spliced after the model's own calls) and the simulator's answers."""
+    the recorded results spliced after the model's own calls, and the first step's reasoning, as
+    history_reasoning template sends it to Qwen3) and the simulator's answers."""
     from regen.prompts import request_messages
     from regen.protocol import read_chat_response
     from regen.turns import Conversation
@@ -120,7 +121,8 @@ def agentic_exchange(cfg, url: str, api_key: str) -> tuple[list[dict], list[dict
     endpoint = Endpoint(url=url, api_key=api_key, engine=engine("sglang"), model="m")
     requests, responses = [], []
     for _ in range(conversation.turn_count):
-        body = generator.payload(endpoint, Request("a", conversation.request_messages(), {}, conversation.tools))
+        body = generator.payload(endpoint, Request("a", conversation.request_messages((False, True)), {},
+                                                   conversation.tools))
         requests.append(msgspec.json.decode(msgspec.json.encode(body)))
         responses.append(httpx.post(f"{url}/v1/chat/completions", json=requests[-1], timeout=60,
                                     headers={"Authorization": f"Bearer {api_key}"}).json())
@@ -147,9 +149,18 @@ def test_agentic_requests_and_tool_call_answers_are_sglangs_and_vllms(sim_server
                                                                     (calls[1]["id"], "14:05")]
     assert requests[1]["tools"] == TOOLS and second["finish_reason"] == "stop" and second["message"]["content"]
     assert judged(SGLANG_PYTHON, {"engine": "sglang", "requests": requests, "responses": responses}) == []
-    as_vllm = [{k: v for k, v in r.items() if k not in engine("sglang").request_fields} | engine("vllm").request_fields
-               for r in requests]  # the same messages and tools, with vLLM's own fields
+    assert requests[1]["messages"][2]["reasoning_content"] == first["message"]["reasoning_content"]
+    vllm = Endpoint(url="http://127.0.0.1:1", api_key=None, engine=engine("vllm"), model="m")
+    as_vllm = [msgspec.json.decode(msgspec.json.encode(Generator(None, cfg, ClientTuning(), print).payload(
+        vllm, Request("a", r["messages"], {}, r["tools"])))) for r in requests]  # vLLM's own fields and keys
+    assert as_vllm[1]["messages"][2]["reasoning"] == first["message"]["reasoning_content"]
     assert judged(VLLM_PYTHON, {"engine": "vllm", "requests": as_vllm, "responses": []}) == []
+    # Under a key the engine does not read, the reasoning would never reach the template: the judge says so.
+    for python, name, body in ((VLLM_PYTHON, "vllm", as_vllm[1]), (SGLANG_PYTHON, "sglang", requests[1])):
+        misspelt = [{("thinking" if k in ("reasoning", "reasoning_content") else k): v for k, v in m.items()}
+                    for m in body["messages"]]
+        problems = judged(python, {"engine": name, "requests": [{**body, "messages": misspelt}], "responses": []})
+        assert "request 0: assistant message 0's reasoning does not reach the chat template" in problems, problems
     # The judge sees a result that answers no call of the request.
     orphan = {**requests[1], "messages": [*requests[1]["messages"][:-1], {**spliced[-1], "tool_call_id": "other"}]}
     problems = judged(SGLANG_PYTHON, {"engine": "sglang", "requests": [orphan], "responses": []})

@@ -64,8 +64,12 @@ class Generator:
     conversation's row to ``sink`` and each finished turn that is not the last to ``turn_sink``."""
 
     def __init__(self, pool: ServerPool, cfg: RunConfig, tuning: ClientTuning,
-                 sink: Callable[[dict], None], turn_sink: Callable[[dict], None] | None = None):
+                 sink: Callable[[dict], None], turn_sink: Callable[[dict], None] | None = None,
+                 send_reasoning: tuple[bool, bool] = (False, False)):
+        """``send_reasoning``: where an earlier step's reasoning goes back in the request (chat
+        turns, agent-loop steps; regen.generate.reasoning_sent)."""
         self.pool = pool
+        self.send_reasoning = send_reasoning
         self.cfg = cfg
         self.tuning = tuning
         self.sink = sink
@@ -78,7 +82,7 @@ class Generator:
 
     def payload(self, endpoint: Endpoint, request: Request) -> dict[str, Any]:
         return chat_request(endpoint.model or "default", request.messages, self.sampling,
-                            endpoint.engine.request_fields, request.tools)
+                            endpoint.engine.request_fields, request.tools, endpoint.engine.history_reasoning_field)
 
     async def run_one(self, request: Request) -> dict:
         last_error = "not attempted"
@@ -159,7 +163,7 @@ class Generator:
 
     async def _converse(self, conversation: Conversation, affinity: list[str], shared: set[str]) -> dict:
         while True:
-            row = await self.run_one(Request(conversation.id, conversation.request_messages(), conversation.stamp,
+            row = await self.run_one(Request(conversation.id, conversation.request_messages(self.send_reasoning), conversation.stamp,
                                              conversation.tools, affinity, shared))
             last = row["error"] is not None or conversation.turns_left == 1
             self.pool.demand = max(0, self.pool.demand - (conversation.turns_left if last else 1))

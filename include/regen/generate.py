@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator
 
 from regen.alerts import check_overdue
@@ -222,7 +223,8 @@ class ShardRun:
                 share = FairShare(self.layout, shard_key(self.stores[0].shard), self.run_id, eps)
                 pool = ServerPool(eps, self.tuning, share)
                 pool.demand = self.demand
-                self.gen = Generator(pool, self.cfg, self.tuning, self._sink, self._append)
+                self.gen = Generator(pool, self.cfg, self.tuning, self._sink, self._append,
+                                     reasoning_sent(self.cfg, doc))
                 self._report()
                 reporter = asyncio.create_task(self._reporter())
                 deadline = asyncio.timeout(self._time_left())
@@ -403,6 +405,24 @@ def shard_deadline_s(canary_estimate: dict | None) -> float | None:
     return max(SHARD_DEADLINE_FLOOR_S, SHARD_DEADLINE_FACTOR * eta)
 
 
+def reasoning_sent(cfg: RunConfig, manifest: dict) -> tuple[bool, bool]:
+    """(chat turns, agent-loop steps): where an earlier step's reasoning goes back in the request,
+    as preflight found the model's template renders it (else found here, when the model's
+    tokenizer is). Servers named by URL only: sent at both, the served template renders what it
+    renders."""
+    from regen.chat.render import history_reasoning_rendered, load_tokenizer
+
+    if cfg.generation.history_reasoning == "never" or cfg.generation.regenerate_turns == "last":
+        return False, False
+    probe = manifest.get("history_reasoning") or {}
+    if probe.get("model_path") != str(Path(cfg.model_path)) or probe.get("enable_thinking") != cfg.enable_thinking:
+        try:
+            probe = history_reasoning_rendered(load_tokenizer(cfg.model_path), cfg.enable_thinking)
+        except Exception:  # no local tokenizer, or a template that fails (preflight's to report)
+            return True, True
+    return bool(probe.get("chat_turns")), bool(probe.get("tool_steps"))
+
+
 def shards_to_run(cfg: RunConfig) -> list[int]:
     """The shards with work left for this config's model (as staged: the fingerprint of its
     directory) and settings, from the manifest preflight just wrote; none when a scheduled run
@@ -455,7 +475,8 @@ def generate_rows(cfg: RunConfig, prompts: list[Prompt], endpoints: list[tuple[s
                                           tools=p.tools) for p in prompts]
             pool.demand = sum(c.turn_count for c in conversations)
             try:
-                await Generator(pool, cfg, tuning, rows.append).run(conversations)
+                await Generator(pool, cfg, tuning, rows.append,
+                                send_reasoning=reasoning_sent(cfg, Manifest(cfg.layout).read())).run(conversations)
             finally:
                 pool.close()
         return rows, pool.capacity

@@ -22,10 +22,16 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
 
 
 def chat_request(model: str, messages: list[dict], sampling: dict[str, Any],
-                 engine_fields: dict[str, Any], tools: list[dict] | None = None) -> dict[str, Any]:
+                 engine_fields: dict[str, Any], tools: list[dict] | None = None,
+                 reasoning_field: str = "reasoning_content") -> dict[str, Any]:
     """A non-streamed chat completion: ``sampling`` as RunConfig.sampling_settings() gives it,
     ``engine_fields`` what the engine needs besides (its reasoning split, its token ids), and an
-    agentic row's ``tools`` (the engine's tool-call parser returns the calls as ``tool_calls``)."""
+    agentic row's ``tools`` (the engine's tool-call parser returns the calls as ``tool_calls``).
+    An earlier step's reasoning is sent under ``reasoning_field``, the key the engine hands its
+    chat template."""
+    if reasoning_field != "reasoning_content":
+        messages = [{(reasoning_field if k == "reasoning_content" else k): v for k, v in m.items()}
+                    if "reasoning_content" in m else m for m in messages]
     body: dict[str, Any] = {
         "model": model,
         "messages": messages,

@@ -4,9 +4,11 @@ As SpecForge's regenerate_train_data.py does, a conversation is replayed step by
 assistant message of the dataset is a step, and so is the answer after its last user message or
 tool result. The request for step k holds the conversation's own system, user and tool messages
 before its k-th assistant message, each earlier assistant message replaced by the model's own
-step: its visible content and its tool calls (the reasoning is never sent back: the same prompt
-on every engine, and the history a served model sees). The row keeps each earlier step with its
-reasoning: training needs it. The dataset's original assistant text is never sent.
+step: its visible content and its tool calls, and its reasoning where the model's chat template
+renders it (``history_reasoning: template``; Qwen3's render the agent loop's steps after the
+last user message with their reasoning and drop it from earlier chat turns): the history a
+served model sees. The row keeps each earlier step with its reasoning: training needs it. The
+dataset's original assistant text is never sent.
 
 Agentic rows (regen.toolcalls) send the row's ``tools`` with every step. A recorded tool result
 is spliced after the model's own call to the same function in the same position (its
@@ -72,9 +74,20 @@ class Conversation:
     def turns_left(self) -> int:
         return self.turn_count - len(self.answers)
 
-    def request_messages(self) -> list[dict]:
-        """The messages of the next turn's request: earlier answers' visible content only."""
-        return self._history(with_reasoning=False)
+    def request_messages(self, send_reasoning: tuple[bool, bool] = (False, False)) -> list[dict]:
+        """The messages of the next step's request: earlier steps' visible content and calls, and
+        their reasoning where ``send_reasoning`` says (chat turns before the last user message,
+        agent-loop steps after it)."""
+        messages = self._history(with_reasoning=any(send_reasoning))
+        if not any(send_reasoning):
+            return messages
+        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+
+        def sent(i: int, message: dict) -> dict:
+            keep = send_reasoning[i > last_user] and message.get("reasoning_content")
+            return message if keep or "reasoning_content" not in message else \
+                {k: v for k, v in message.items() if k != "reasoning_content"}
+        return [sent(i, m) for i, m in enumerate(messages)]
 
     def _history(self, with_reasoning: bool) -> list[dict]:
         """The messages before the next step: the model's own steps in place of the dataset's

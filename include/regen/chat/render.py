@@ -151,6 +151,28 @@ def train_layout(tokenizer, template: TrainTemplate) -> str:
     return "conversation" if marker in text else "events"
 
 
+HISTORY_PROBE_TOOL = {"type": "function", "function": {
+    "name": "lookup", "description": "Look a word up.",
+    "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}
+
+
+def history_reasoning_rendered(tokenizer, enable_thinking: bool) -> dict[str, bool]:
+    """Where the model's own chat template renders an earlier step's reasoning in a generation
+    prompt: a chat turn before the last user message (``chat_turns``), an agent-loop step after
+    it (``tool_steps``). What regen sends back with ``history_reasoning: template``."""
+    def shows(history: list[dict], tools: list[dict] | None) -> bool:
+        marker = "Earlier reasoning to look for."
+        history = [{**m, "reasoning_content": marker} if m["role"] == "assistant" else m for m in history]
+        return marker in render_generation_prompt(tokenizer, history, enable_thinking, tools)
+
+    call = {"id": "call_0", "type": "function", "function": {"name": "lookup", "arguments": '{"word": "two"}'}}
+    return {"chat_turns": shows([{"role": "user", "content": "One?"}, {"role": "assistant", "content": "1"},
+                                 {"role": "user", "content": "Two?"}], None),
+            "tool_steps": shows([{"role": "user", "content": "What is two?"},
+                                 {"role": "assistant", "content": "", "tool_calls": [call]},
+                                 {"role": "tool", "tool_call_id": "call_0", "content": "2"}], [HISTORY_PROBE_TOOL])}
+
+
 def render(tokenizer, conversations: Sequence[list[dict[str, Any]]], enable_thinking: bool | None,
            tools: Sequence[list[dict] | None] | None = None) -> list[str]:
     """``enable_thinking`` None: the template's own default (SpecForge's general parser).

@@ -220,9 +220,15 @@ class GenerationOptions(Options):
     regenerate_turns: Literal["all", "last"] = Field(
         "all", title="Regenerate turns",
         description="all: every assistant turn of a conversation, in order, each request holding the "
-                    "model's own earlier answers, their visible content only (as SpecForge sends them); "
+                    "model's own earlier answers (their reasoning as history_reasoning says); "
                     "last: only the final turn, after the dataset's original history (refused with "
                     "thinking on when that history has assistant turns: they have no reasoning).")
+    history_reasoning: Literal["template", "never"] = Field(
+        "template", title="History reasoning",
+        description="template: an earlier step's reasoning goes back in the request where the model's chat "
+                    "template renders it (Qwen3 and Qwen3.5/3.6: the agent loop's steps after the last user "
+                    "message, never earlier chat turns), so each step is generated from the prompt the model "
+                    "sees when it serves; never: no reasoning is ever sent back (SpecForge's script).")
     skip_invalid: bool = Field(
         False, title="Skip invalid conversations",
         description="Conversations SpecForge's validator refuses (two messages of one role in a row, a "

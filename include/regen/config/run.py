@@ -263,7 +263,9 @@ class RunConfig(BaseModel):
                     "regenerate_turns": self.generation.regenerate_turns}
         # Added later: in the hash only when set, so the outputs of earlier runs still resume.
         optional = {"min_p": s.min_p, "presence_penalty": s.presence_penalty,
-                    "repetition_penalty": s.repetition_penalty, "chat_template_kwargs": s.chat_template_kwargs or None}
+                    "repetition_penalty": s.repetition_penalty, "chat_template_kwargs": s.chat_template_kwargs or None,
+                    "history_reasoning": None if self.generation.history_reasoning == "never" else
+                    self.generation.history_reasoning}
         return {**settings, **{k: v for k, v in optional.items() if v is not None}}
 
     # --- Loading ---------------------------------------------------------------------------

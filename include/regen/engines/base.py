@@ -39,6 +39,8 @@ class Engine:
     ignored_options: ClassVar[tuple[str, ...]] = ()
     # Where the message of a chat completion carries the thinking trace, first found wins.
     reasoning_fields: ClassVar[tuple[str, ...]] = ("reasoning_content",)
+    # The key of a request's assistant message whose reasoning the engine hands its chat template.
+    history_reasoning_field: ClassVar[str] = "reasoning_content"
     # Server-info endpoints, newest first.
     info_paths: ClassVar[tuple[str, ...]] = ()
     # Prometheus metric name (without the engine's prefix) -> regen's name for it.

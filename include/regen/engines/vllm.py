@@ -40,6 +40,7 @@ class VLLM(Engine):
     ignored_options = ("speculative_eagle_topk", "speculative_num_draft_tokens", "max_mamba_cache_size")
     # vLLM's reasoning parser fills `reasoning`; older releases `reasoning_content`.
     reasoning_fields = ("reasoning", "reasoning_content")
+    history_reasoning_field = "reasoning"  # vLLM 0.32's own key (its request model renames reasoning_content)
     request_fields = {"return_token_ids": True}
 
     def token_ids(self, body: dict, choice: dict) -> tuple[list[int] | None, list[int] | None]:

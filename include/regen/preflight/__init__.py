@@ -108,7 +108,10 @@ def preflight(cfg: RunConfig, code: bool = True, run_id: str = "cli",
         except OutputHeld as exc:
             raise PreflightFailed([str(exc)]) from None
     from regen.generate import shards_to_run  # only now: the code it is in has just been checked
-    Manifest(cfg.layout).write_prompts(cfg, report.info["_index"], run_id)
+    manifest = Manifest(cfg.layout)
+    manifest.write_prompts(cfg, report.info["_index"], run_id)
+    if "history_reasoning" in report.info:  # what the shards send back (regen.generate.reasoning_sent)
+        manifest.update(history_reasoning=report.info["history_reasoning"])
     info = {k: v for k, v in report.info.items() if not k.startswith("_")}
     shards = shards_to_run(cfg)
     if not shards and run_id != "cli":  # up to date: no task of this run will use the output

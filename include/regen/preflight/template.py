@@ -19,7 +19,7 @@ def tokenizer_checks(model: str, thresholds, enable_thinking: bool, longest: tup
     """preflight's checks that run the model's tokenizer and chat template: (problems, info);
     run through regen.childpool.call_bounded."""
     from regen.audit.dataset import resolved
-    from regen.chat.render import load_tokenizer, render_generation_prompt, template_problems
+    from regen.chat.render import history_reasoning_rendered, load_tokenizer, render_generation_prompt, template_problems
     from regen.chat.templates import DEFAULT_TRAIN_TEMPLATE, TRAIN_TEMPLATES
     from regen.errors import DataError
 
@@ -47,6 +47,11 @@ def tokenizer_checks(model: str, thresholds, enable_thinking: bool, longest: tup
                             f"every row would be left out of the export; set train_layout: conversation")
     for problem in template_problems(tokenizer, enable_thinking, template.fmt):
         problems.append(f"model_path {model}: {problem}")
+    try:
+        info["history_reasoning"] = {"model_path": model, "enable_thinking": enable_thinking,
+                                     **history_reasoning_rendered(tokenizer, enable_thinking)}
+    except Exception:  # template errors are reported above
+        pass
     if sample and train_max_length:
         info["trainer_cut"] = trainer_cut(tokenizer, sample, enable_thinking, max_tokens, train_max_length)
     if longest is None or not context:
