@@ -177,8 +177,10 @@ def test_the_audit_counts_agentic_rows_and_the_viewer_shows_their_calls(sim_serv
         assert report.summary.samples == samples
         assert report.to_json()["agentic"] == {"rows": 8, "steps": 6 * 5 + 3 + 2, "spliced_results": 6 * 4 + 3 + 1,
                                                "argument_diffs": 6 * 4 + 3 + 1,
-                                               "divergences": {"another function": 1}}
-        assert any(line.startswith("agentic: 8 rows, 35 steps, 28 recorded results") for line in report.lines())
+                                               "divergences": {"another function": 1},
+                                               "history_reasoning": {"tool_steps": 8}}  # the tiny Qwen3-style template's
+        line = next(line for line in report.lines() if line.startswith("agentic: 8 rows, 35 steps, 28 recorded results"))
+        assert line.endswith("; earlier reasoning sent back: tool_steps 8")
         assert report.passed  # 1 of 8 ended at a divergence; no bound given
         for bound, passed in ((0.1, False), (0.125, True)):
             bounded = audit_dataset(cfg.output, tiny_model, tmp_path / f"{layout}-{bound}",
@@ -271,3 +273,16 @@ def test_a_step_is_asked_with_the_reasoning_the_models_template_renders(sim_serv
         prompt = tokenizer.decode(rows.loc[i, "prompt_token_ids"])
         reasoning = [m["reasoning_content"] for m in rows.loc[i, "messages"] if m["role"] == "assistant"]
         assert [r in prompt for r in reasoning[:2]] == [rendered, rendered], (i, prompt)
+    # Training sees each step with the context it was generated from: the row says what was sent,
+    # and the events of the audit (and of the export) keep exactly that reasoning in their history.
+    from regen.layout import RunLayout
+    from regen.rows import iter_batches
+    from regen.training import training_samples
+
+    assert rows["history_reasoning"].fillna("none").tolist() == ["tool_steps" if sent_any else "none"] * 2
+    loop_row = [r for batch in iter_batches(RunLayout(cfg.output)) for r in batch if r["id"] == "loop"]
+    events = training_samples(loop_row, "events", True)
+    reasoning = [m["reasoning_content"] for m in rows.loc["loop", "messages"] if m["role"] == "assistant"]
+    for k, event in enumerate(events):
+        kept = [m.get("reasoning_content") for m in event["messages"] if m["role"] == "assistant"]
+        assert kept == (reasoning[:k] if sent_any else [None] * k), (k, event["messages"])

@@ -236,6 +236,42 @@ def test_the_token_export_trains_on_what_specforge_masks_from_the_generated_toke
         assert compared >= 15
 
 
+def test_the_token_export_keeps_tool_call_steps_whole_and_never_splices_ids_of_other_text(sim_servers, tmp_path,
+                                                                                          tiny_model):
+    """Agentic rows (each step a sample of the events layout, the engine's ids of every step): a
+    tool-call step's ids are followed by the newline the template renders after its end of turn,
+    as after an answer, so every step's ids agree with the rendering. Ids whose text is not the
+    rendering's (a think block opened twice, as an engine and a template that disagree make) are
+    never spliced in: the sample keeps the rendering's tokens, and the export counts it."""
+    from regen.chat.render import load_tokenizer
+    from regen.export import export_tokens
+    from regen.generate import ShardRun
+    from support.data import TOOLS, agentic_messages
+
+    records = [{"id": f"agent{i}", "tools": TOOLS,
+                "messages": agentic_messages(f"Agent {i}", [["get_weather"], ["get_time"]])} for i in range(4)]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg, servers = sim_servers(prompts=str(prompts), num_shards=1, num_servers=1, tool_call_parser="qwen25")
+    ShardRun(cfg, [(s.url, s.api_key) for s in servers], 0, "m").run()
+
+    exported = export_tokens(cfg.output, tmp_path / "tokens.jsonl", tiny_model, "qwen3-thinking", "events")
+    assert exported.written == 4 * 3
+    assert exported.checks["completion agrees with the rendering"] == 4 * 3, exported.checks
+
+    table = pq.read_table(f"{cfg.output}/data").to_pylist()
+    twice = load_tokenizer(str(tiny_model)).encode("<think>\n", add_special_tokens=False)
+    table[0]["completion_token_ids"] = twice + table[0]["completion_token_ids"]
+    planted = tmp_path / "planted" / "data"
+    planted.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(table, schema=ROW_SCHEMA), planted / "shard-00000-of-00001.parquet")
+    again = export_tokens(planted.parent, tmp_path / "planted.jsonl", tiny_model, "qwen3-thinking", "events")
+    assert again.checks["completion's text differs from the rendering (rendered tokens kept)"] == 1, again.checks
+    assert again.checks["completion agrees with the rendering"] == 4 * 3 - 1
+    read = lambda path: {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}  # noqa: E731
+    assert read(tmp_path / "planted.jsonl") == read(tmp_path / "tokens.jsonl")  # the rendering's tokens, as before
+
+
 def test_an_answer_whose_text_re_encodes_to_other_tokens_is_found(qwen3_tokenizer_dir, tmp_path):
     from regen.chat.render import load_tokenizer
 

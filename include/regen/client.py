@@ -23,7 +23,7 @@ from regen.config import RunConfig
 from regen.dispatch import ClientTuning, Endpoint, ServerPool
 from regen.protocol import chat_request, read_chat_response
 from regen.rows import Row
-from regen.turns import Conversation
+from regen.turns import Conversation, reasoning_positions
 
 log = logging.getLogger("regen.client")
 
@@ -142,6 +142,7 @@ class Generator:
             enable_thinking=self.sampling["enable_thinking"], model=reply.model or endpoint.model,
             server=endpoint.url, attempts=attempt, latency_s=round(time.monotonic() - started, 3),
             prompt_token_ids=reply.prompt_token_ids, completion_token_ids=reply.completion_token_ids,
+            history_reasoning=reasoning_positions(self.send_reasoning),
         ).to_dict(), "tool_calls": reply.tool_calls, **request.stamp}
 
     def error_row(self, request: Request, endpoint: Endpoint, error: str, attempts: int,
@@ -150,6 +151,7 @@ class Generator:
             id=request.id, messages=request.messages, error=error,
             enable_thinking=self.sampling["enable_thinking"], model=endpoint.model, server=endpoint.url,
             attempts=attempts, latency_s=round(time.monotonic() - started, 3),
+            history_reasoning=reasoning_positions(self.send_reasoning),
         ).to_dict(), **request.stamp, "retryable": retryable}
 
     async def converse(self, conversation: Conversation) -> dict:

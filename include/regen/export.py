@@ -26,7 +26,8 @@ from regen.files import atomic_file, atomic_write_text
 from regen.layout import RunLayout
 from regen.manifest import Manifest
 from regen.rows import asked_thinking, iter_batches, row_messages
-from regen.training import TrainLayout, conversation_record, event_records, training_conversation, training_samples, why_left_out
+from regen.training import (TrainLayout, conversation_record, event_records, history_kept, training_conversation,
+                            training_samples, why_left_out)
 
 @dataclass
 class ExportResult:
@@ -57,7 +58,7 @@ def export_sharegpt(data_dir: str | Path, out: str | Path, expect_reasoning: boo
             return [], reason
         doc = conversation_record(row)
         written += 1
-        return (event_records(doc, written - 1) if layout == "events" else [doc]), None
+        return (event_records(doc, written - 1, history_kept(row)) if layout == "events" else [doc]), None
 
     return _export(data_dir, out, record, "events" if layout == "events" else "conversations")
 
@@ -68,8 +69,11 @@ def export_tokens(data_dir: str | Path, out: str | Path, tokenizer_dir: str | Pa
     the events layout), what SpecForge's parser makes of the same sample (its system prompt,
     ignore tokens and the template's rendering, empty think block included), with the generated
     part taken from the engine's own token ids where the row has them: where re-encoding the
-    text agrees with them, the record is SpecForge's exactly. For SpecForge's online training
-    from token ids; its offline ``prepare_hidden_states.py`` reads conversations only."""
+    text agrees with them, the record is SpecForge's exactly. The engine's ids replace the
+    rendering's only when they decode to the same text (another tokenization of it); ids whose
+    text differs (a template that drifted, a think block opened twice) are not used: the sample
+    keeps the rendering's, and ``checks`` counts it. For SpecForge's online training from token
+    ids; its offline ``prepare_hidden_states.py`` reads conversations only."""
     tokenizer = load_tokenizer(str(tokenizer_dir))
     template_name, layout = resolve_training(tokenizer, template_name, layout)
     template = TRAIN_TEMPLATES[template_name]
@@ -92,9 +96,12 @@ def export_tokens(data_dir: str | Path, out: str | Path, tokenizer_dir: str | Pa
             filled = prefill[asked_thinking(sample, default_thinking)]
             start = assistant_spans(text, template.fmt)[-1][0]
             g = first + (len(encode(filled)) if filled and text.startswith(filled, start) else 0)
-            generated = list(completion) + (after_eos if sample.get("finish_reason") == "stop" else [])
+            ended = sample.get("finish_reason") in ("stop", "tool_calls")  # the turn closed: what follows its EOS
+            generated = list(completion) + (after_eos if ended else [])
             if ids[g:last] == generated:
                 checks["completion agrees with the rendering"] += 1
+            elif tokenizer.decode(generated) != tokenizer.decode(ids[g:last]):
+                checks["completion's text differs from the rendering (rendered tokens kept)"] += 1
             else:
                 checks["completion re-encodes differently (engine's tokens kept)"] += 1
                 gen_mask = [1] * len(generated)
@@ -211,7 +218,7 @@ def export_specforge(data_dir: str | Path, out_dir: str | Path, tokenizer_dir: s
                                                 for m in record["conversations"]):
                     if record.get("tools"):
                         record["tools"] = json.dumps(record["tools"], ensure_ascii=False)
-                    docs = event_records(record, counts["agentic"]) if layout == "events" else [record]
+                    docs = event_records(record, counts["agentic"], history_kept(row)) if layout == "events" else [record]
                     for doc in docs:
                         line(agentic, doc)
                     counts["agentic"] += 1

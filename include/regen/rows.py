@@ -64,6 +64,9 @@ class Row:
     divergence: str | None = _col(audit=True)
     spliced_results: int | None = _col(audit=True)
     argument_diffs: int | None = _col(audit=True)
+    # Where this row's requests carried an earlier step's reasoning (regen.turns.reasoning_positions):
+    # "tool_steps", "chat_turns", both comma-separated; empty when none was ever sent.
+    history_reasoning: str | None = _col(audit=True)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))

@@ -8,6 +8,8 @@ and the audit alike.
   "Multi-turn structured reasoning"; ``scripts/expand_reasoning_conversations.py``): one record per
   assistant turn, ``ID#turnK``, its history with earlier answers' visible content only, trained
   with ``train_only_last_turn``. A conversation any of whose turns is invalid is left out whole.
+  An agentic row's events keep in their history the reasoning its requests sent back
+  (``history_reasoning``): each step is trained on the context it was generated from.
 
 Agentic rows are SpecForge's tool-use shape in both layouts: ``tools`` on the record (its data
 loader passes them to the chat template), each assistant step with its ``tool_calls``, each
@@ -22,6 +24,7 @@ import json
 from typing import Any, Literal
 
 from regen.rows import asked_thinking, final_message, row_messages, row_tools
+from regen.turns import reasoning_sent_at, served_history
 
 TrainLayout = Literal["events", "conversation"]
 THINK_MARKERS = ("<think>", "</think>")
@@ -84,8 +87,17 @@ def why_left_out(row: dict, expect_reasoning: bool) -> str | None:
     return None if conversation[-1]["role"] == "assistant" else "role order"
 
 
-def event_records(record: dict, source_row_index: int) -> list[dict]:
-    """The generation events of one conversation record, as SpecForge's expander writes them."""
+def history_kept(row: dict) -> tuple[bool, bool]:
+    """Where an event's history keeps earlier steps' reasoning (chat turns, agent-loop steps): an
+    agentic row's where its requests sent it back; a chat row's nowhere, as SpecForge's expander
+    writes them."""
+    agentic = row_tools(row) or any(m["role"] == "tool" or m.get("tool_calls") for m in row_messages(row))
+    return reasoning_sent_at(row.get("history_reasoning")) if agentic else (False, False)
+
+
+def event_records(record: dict, source_row_index: int, kept: tuple[bool, bool] = (False, False)) -> list[dict]:
+    """The generation events of one conversation record, as SpecForge's expander writes them
+    (``kept``: :func:`history_kept`)."""
     history: list[dict[str, Any]] = []
     events = []
     tools = {"tools": record["tools"]} if record.get("tools") else {}
@@ -96,9 +108,9 @@ def event_records(record: dict, source_row_index: int) -> list[dict]:
         turn = sum(1 for m in history if m["role"] == "assistant")
         events.append({"id": f"{record['id']}#turn{turn}", "source_id": record["id"],
                        "source_row_index": source_row_index, "assistant_turn_index": turn,
-                       "conversations": [dict(m) for m in history] + [dict(message)],
+                       "conversations": [dict(m) for m in served_history(history, kept)] + [dict(message)],
                        "status": record["status"], **tools})
-        history.append({k: v for k, v in message.items() if k != "reasoning_content"})
+        history.append(dict(message))
     return events
 
 
@@ -108,6 +120,7 @@ def event_rows(row: dict) -> list[dict]:
     (those of the row's last turn)."""
     messages = row_messages(row)
     outcomes = list(row.get("turns") or [])
+    kept = history_kept(row)
     history: list[dict] = []
     events = []
     blank = {"prompt_token_ids": None, "completion_token_ids": None, "turns": None}
@@ -119,14 +132,15 @@ def event_rows(row: dict) -> list[dict]:
         outcome = outcomes[k] if k < len(outcomes) - 1 else {}
         calls = message.get("tool_calls")
         events.append({**row, **blank, "id": f"{row['id']}#turn{k}", "source_id": row["id"],
-                       "messages": list(history), "reasoning_content": message.get("reasoning_content"),
+                       "messages": served_history(history, kept), "reasoning_content": message.get("reasoning_content"),
                        "content": message.get("content"), "tool_calls": json.dumps(calls) if calls else None,
                        "finish_reason": outcome.get("finish_reason", "stop"),
                        "completion_tokens": outcome.get("completion_tokens"),
                        "completion_token_ids": outcome.get("completion_token_ids"), "last_step": False})
-        history.append({"role": "assistant", "content": message.get("content")} | ({"tool_calls": calls} if calls else {}))
+        history.append({"role": "assistant", "content": message.get("content"),
+                        "reasoning_content": message.get("reasoning_content")} | ({"tool_calls": calls} if calls else {}))
     events.append({**row, "turns": None, "id": f"{row['id']}#turn{len(events)}", "source_id": row["id"],
-                   "messages": history, "last_step": True, "row_steps": len(outcomes)})
+                   "messages": served_history(history, kept), "last_step": True, "row_steps": len(outcomes)})
     return events
 
 

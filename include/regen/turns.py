@@ -76,18 +76,8 @@ class Conversation:
 
     def request_messages(self, send_reasoning: tuple[bool, bool] = (False, False)) -> list[dict]:
         """The messages of the next step's request: earlier steps' visible content and calls, and
-        their reasoning where ``send_reasoning`` says (chat turns before the last user message,
-        agent-loop steps after it)."""
-        messages = self._history(with_reasoning=any(send_reasoning))
-        if not any(send_reasoning):
-            return messages
-        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
-
-        def sent(i: int, message: dict) -> dict:
-            keep = send_reasoning[i > last_user] and message.get("reasoning_content")
-            return message if keep or "reasoning_content" not in message else \
-                {k: v for k, v in message.items() if k != "reasoning_content"}
-        return [sent(i, m) for i, m in enumerate(messages)]
+        their reasoning where ``send_reasoning`` says (chat turns, agent-loop steps)."""
+        return served_history(self._history(with_reasoning=any(send_reasoning)), send_reasoning)
 
     def _history(self, with_reasoning: bool) -> list[dict]:
         """The messages before the next step: the model's own steps in place of the dataset's
@@ -166,6 +156,34 @@ def _json(value: Any) -> str | None:
 def _stored(message: dict) -> dict:
     """A message as a row's Parquet column holds it: tool calls as their JSON."""
     return {**message, "tool_calls": _json(message["tool_calls"])} if "tool_calls" in message else message
+
+
+REASONING_POSITIONS = ("chat_turns", "tool_steps")
+
+
+def served_history(messages: list[dict], send_reasoning: tuple[bool, bool]) -> list[dict]:
+    """``messages`` as a request sends them: an assistant message's reasoning kept where
+    ``send_reasoning`` says (a chat turn, before the last user message; an agent-loop step, after
+    it), dropped elsewhere. Training's events of an agentic row use it too: the context each step
+    was generated from."""
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    last_user = users[-1] if users else -1
+
+    def sent(i: int, message: dict) -> dict:
+        if "reasoning_content" not in message or (send_reasoning[i > last_user] and message["reasoning_content"]):
+            return message
+        return {k: v for k, v in message.items() if k != "reasoning_content"}
+    return [sent(i, m) for i, m in enumerate(messages)]
+
+
+def reasoning_positions(send_reasoning: tuple[bool, bool]) -> str | None:
+    """How a row records where its requests carried earlier reasoning (Row.history_reasoning)."""
+    return ",".join(name for name, on in zip(REASONING_POSITIONS, send_reasoning) if on) or None
+
+
+def reasoning_sent_at(recorded: str | None) -> tuple[bool, bool]:
+    names = set((recorded or "").split(","))
+    return REASONING_POSITIONS[0] in names, REASONING_POSITIONS[1] in names
 
 
 def steps(messages: list[dict]) -> int:

@@ -93,9 +93,11 @@ class AuditSummary:
     example: dict[str, Any] | None = None
     left_out: dict[str, int] = field(default_factory=dict)  # conversations the export leaves out, by reason
     # Agentic rows (tools, tool calls): how many, their steps, the recorded results spliced in, the
-    # calls whose arguments differ from the recorded ones, the conversations ended by a divergence.
+    # calls whose arguments differ from the recorded ones, the conversations ended by a divergence,
+    # and where their requests sent earlier reasoning back (the context each step is trained on).
     agentic: dict[str, Any] = field(default_factory=lambda: {
-        "rows": 0, "steps": 0, "spliced_results": 0, "argument_diffs": 0, "divergences": {}})
+        "rows": 0, "steps": 0, "spliced_results": 0, "argument_diffs": 0, "divergences": {},
+        "history_reasoning": {}})
 
     def fraction(self, finding: str) -> float:
         return self.counts[finding] / self.audited if self.audited else 0.0
@@ -135,6 +137,8 @@ def _fold_agentic(agentic: dict[str, Any], row: dict) -> None:
     agentic["steps"] += row.get("row_steps") or len(row.get("turns") or []) or 1
     agentic["spliced_results"] += row.get("spliced_results") or 0
     agentic["argument_diffs"] += row.get("argument_diffs") or 0
+    sent = row.get("history_reasoning") or "never"
+    agentic["history_reasoning"][sent] = agentic["history_reasoning"].get(sent, 0) + 1
     if row.get("divergence"):
         kind = divergence_kind(row["divergence"])
         agentic["divergences"][kind] = agentic["divergences"].get(kind, 0) + 1
@@ -242,7 +246,9 @@ class AuditReport:
         return (f"agentic: {a['rows']:,} rows, {a['steps']:,} steps, {a['spliced_results']:,} recorded results "
                 f"spliced after the model's own calls, {a['argument_diffs']:,} calls with other arguments than "
                 f"recorded; {sum(a['divergences'].values()):,} ended at a divergence" + (f" ({ended})" if ended else "")
-                + f" (fraction {self.summary.divergence_fraction:.4f}, limit {self.thresholds.max_divergence_fraction:.4f})")
+                + f" (fraction {self.summary.divergence_fraction:.4f}, limit {self.thresholds.max_divergence_fraction:.4f})"
+                + "; earlier reasoning sent back: " + ", ".join(f"{where.replace(',', ' and ')} {n:,}" for where, n
+                                                                 in sorted(a.get("history_reasoning", {}).items())))
 
 
 def _stats(values: list[int]) -> dict[str, Any]:
