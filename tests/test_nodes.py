@@ -52,6 +52,45 @@ def test_shards_claim_the_node_with_room_and_never_a_silent_one(make_config, tmp
             stop_recorded(cfg.for_node(name).layout, every=True)
 
 
+def test_the_cli_without_node_claims_any_node_and_with_node_only_that_one(make_config, tmp_path):
+    """`regen generate --shard N` without --node claims a node of the run like a DAG shard (it had
+    pinned every command to the first node, so bench_nodes put every row there); with --node it
+    generates there. Node a's slots are held here: the command goes to b."""
+    import subprocess
+
+    import pyarrow.parquet as pq
+
+    from support.paths import BIN
+
+    def cli(*args: str) -> list[str]:
+        return [str(BIN / "regen"), "--no-progress-bar", *args]
+
+    nodes = [{"name": name, "base_port": free_port_base(1), "num_servers": 1, "max_shards": 1} for name in ("a", "b")]
+    cfg = make_config(nodes=nodes, num_shards=2, stage_weights=False)
+    config = tmp_path / "run.yaml"
+    config.write_text(cfg.to_yaml())
+    for name in ("a", "b"):
+        launch_servers(cfg.for_node(name), cfg.model_path)
+    try:
+        assert subprocess.run(cli("preflight", "--config", str(config)), capture_output=True).returncode == 0
+        with claim_node(cfg, [9]) as held:
+            assert held.name == "a"
+            done = subprocess.run(cli("generate", "--config", str(config), "--shard", "0"), capture_output=True,
+                                  text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "shard 0 generates on node b" in done.stderr
+        done = subprocess.run(cli("generate", "--config", str(config), "--shard", "1", "--node", "a"),
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "shard 1 generates on node a" in done.stderr, done.stderr[-2000:]
+        ports = {name: cfg.for_node(name).servers.base_port for name in ("a", "b")}
+        servers = pq.read_table(f"{cfg.output}/data", columns=["id", "server"]).to_pylist()
+        on = {name: sum(r["server"].endswith(f":{port}") for r in servers) for name, port in ports.items()}
+        assert on["a"] and on["b"] and on["a"] + on["b"] == len(servers)
+    finally:
+        for name in ("a", "b"):
+            stop_recorded(cfg.for_node(name).layout, every=True)
+
+
 def test_balance_counts_each_nodes_busy_time_once():
     shards = {
         "shard-00000": {"node": "a", "started_at": 0.0, "updated": 10.0, "tokens": 1000},

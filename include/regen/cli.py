@@ -114,7 +114,9 @@ def load_config(args: argparse.Namespace) -> RunConfig:
                     if k in ("model_path", "prompts", "output", "staging_dir") and v}
     overrides.update(cwd_relative)
     cfg = RunConfig.load(args.config, overrides, base_dir=None if args.config else Path.cwd())
-    return cfg.for_node(cfg.this_node())  # `--node NAME`: that node's stage
+    # `--node NAME`: that node's stage. Without it the run's config: a shard then claims any of its
+    # nodes, and a per-node stage runs for the first (regen.pipeline).
+    return cfg.for_node(cfg.this_node()) if cfg.node else cfg
 
 
 def _setup_logging(verbose: bool = False) -> None:
