@@ -294,7 +294,9 @@ def test_a_shard_past_its_error_bound_always_ends_while_responses_complete(sim_s
 def test_a_conversations_turns_stay_on_one_server_while_the_servers_are_balanced(sim_servers, tmp_path):
     """A fleet that is not full (60 three-turn conversations, 3 servers of 32 slots): least
     outstanding spreads the first turns, then each conversation's later turns go to the server
-    that holds its prefix. Counted from each simulator's own request log and cache counter."""
+    that holds its prefix. Counted from each simulator's own request log and cache counter. In
+    the tail a turn may leave a home measured at under half the fastest free server's speed
+    (dispatch.AFFINITY_MIN_SPEED); on a loaded CI machine that moved 2 of 60: at most 3 may."""
     from collections import defaultdict
 
     from support.data import write_conversations
@@ -314,7 +316,8 @@ def test_a_conversations_turns_stay_on_one_server_while_the_servers_are_balanced
             first_user = next(m["content"] for m in line["messages"] if m["role"] == "user")
             servers_of[first_user].add(r.port)
     assert sum(per_server.values()) == 180
-    assert all(len(ports) == 1 for ports in servers_of.values()), {k: v for k, v in servers_of.items() if len(v) > 1}
+    moved = {k: v for k, v in servers_of.items() if len(v) > 1}
+    assert len(servers_of) == 60 and len(moved) <= 3, moved
     assert max(per_server.values()) <= 1.25 * min(per_server.values()), per_server
     for r in records:  # every later turn found its history in that server's prefix cache
         cached = [line for line in httpx.get(f"{r.url}/metrics").text.splitlines()
