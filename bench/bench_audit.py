@@ -131,7 +131,7 @@ def regen_child(data: str, report: str, max_length: str) -> None:
     namespace: dict = {}
     exec(PEAK, namespace)  # the same sampler as the baseline's
     started = time.perf_counter()
-    cut = int(max_length) or None
+    cut = int(max_length)  # 0: no cut
     # The baseline parses the conversation export: the audit judges the same samples, conversations.
     audit_dataset(data, QWEN3, report, AuditThresholds(16, 1.0, "qwen3-thinking", cut, "conversation"), workers=os.cpu_count())
     seconds = time.perf_counter() - started

@@ -284,7 +284,7 @@ def main() -> None:
     body = "\n".join(rows) + (
         f"\n\n{args.rows:,} ShareGPT rows, {requests:,} requests (one per assistant turn); {args.servers} simulated "
         f"servers ({args.slots} slots, {args.speed:.0f} tok/s per request alone"
-        + (f", the last at half speed" if args.slow_server else "") + f", 1% slower per other running request, "
+        + (", the last at half speed" if args.slow_server else "") + f", 1% slower per other running request, "
         f"prefill 20,000 tok/s for uncached prompt tokens, a prefix cache per server), traces log-normal around "
         f"{args.median} words (sigma 0.77), max_tokens {args.max_tokens}. 'vs best peer' = the fastest peer's best "
         f"makespan over this client's best (above 1: faster than every peer). A row is complete when every turn "

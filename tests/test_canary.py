@@ -62,7 +62,7 @@ def test_thinking_asked_off_that_comes_back_thinking_fails_the_canary_and_the_au
     with pytest.raises(CanaryFailed, match=r"8 of 8 answers came back with reasoning while enable_thinking is off"):
         canary(cfg)
     rows, _ = generate_rows(cfg, list(read_prompts(cfg.prompts))[:4], [(r.url, r.api_key) for r in records])
-    summary, _, results = audit_rows(rows, cfg.model_path, AuditThresholds.from_config(cfg), False)
+    summary, _, results, _ = audit_rows(rows, cfg.model_path, AuditThresholds.from_config(cfg), False)
     assert all({"thinking_mode_mismatch", "degenerate"} <= set(r["findings"]) for r in results)
     assert summary.counts["thinking_mode_mismatch"] == len(results) > 0
 

@@ -137,7 +137,7 @@ def test_the_specforge_recipe_accounts_for_every_prompt_and_its_files_pass_its_s
     result = export_specforge(cfg.output, out, tiny_model, max_length=2048)
     counts = result.counts
     assert (counts["chat"], counts["agentic"], counts["error"], counts["skipped"]) == (7, 3, 1, 1)
-    assert result.prompts == len(records) and result.layout == "events"
+    assert result.prompts == len(records) and result.train_layout == "events"
     read = lambda name: [json.loads(line) for line in (out / name).read_text().splitlines()]  # noqa: E731
     chat, events, agentic = read("regenerated.jsonl"), read("regenerated_events.jsonl"), read("regenerated_agentic.jsonl")
     assert sorted(r["id"] for r in chat) == sorted([f"single{i}" for i in range(4)] + [f"multi{i}" for i in range(3)])

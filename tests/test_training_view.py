@@ -119,20 +119,20 @@ def assert_loss_tokens_are_specforges(tokenizer_dir, tmp_path, rows, template, t
     data.mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(rows, schema=ROW_SCHEMA), data / "shard.parquet")
     export = tmp_path / "train.jsonl"
-    written = export_sharegpt(data, export, expect_reasoning=thinking, layout=layout).written
+    written = export_sharegpt(data, export, expect_reasoning=thinking, train_layout=layout).written
     assert written == (len(rows) if layout == "conversation" else sum(len(r["turns"]) for r in rows))
 
     audited = {}
-    for length in (None, cut_at):
+    for length in (0, cut_at):  # 0: no cut
         report = audit_dataset(data, tokenizer_dir, tmp_path / f"audit-{length}",
                                AuditThresholds(16, 1.0, template, length, layout), default_thinking=thinking)
         samples = pq.read_table(tmp_path / f"audit-{length}" / "samples.parquet").to_pylist()
         audited[length] = {s["id"]: s for s in samples}
         assert report.summary.audited == written
     expected = oracle(tokenizer_dir, export, template, [UNCUT, cut_at], last_turn_only=layout == "events")
-    assert set(expected) == set(audited[None])  # the audit judged exactly the rows the export wrote
+    assert set(expected) == set(audited[0])  # the audit judged exactly the rows the export wrote
 
-    uncut = {i: audited[None][i]["loss_tokens"] for i in expected}
+    uncut = {i: audited[0][i]["loss_tokens"] for i in expected}
     cut = {i: audited[cut_at][i]["loss_tokens"] for i in expected}
     assert uncut == {i: v[0] for i, v in expected.items()}
     assert cut == {i: v[1] for i, v in expected.items()}
@@ -183,13 +183,13 @@ def test_qwen36_layout_loss_tokens_equal_specforges_qwen3_5_parser(qwen36_dir, t
 
 
 def test_qwen3_templates_drop_history_reasoning_so_the_default_layout_is_events(qwen3_tokenizer_dir, tiny_model):
-    from regen.chat.render import load_tokenizer, train_layout
+    from regen.chat.render import default_train_layout, load_tokenizer
     from regen.chat.templates import TRAIN_TEMPLATES
 
     for directory in (qwen3_tokenizer_dir, tiny_model):
         tokenizer = load_tokenizer(str(directory))
-        assert train_layout(tokenizer, TRAIN_TEMPLATES["qwen3-thinking"]) == "events"
-        assert train_layout(tokenizer, TRAIN_TEMPLATES["qwen3-instruct"]) == "conversation"
+        assert default_train_layout(tokenizer, TRAIN_TEMPLATES["qwen3-thinking"]) == "events"
+        assert default_train_layout(tokenizer, TRAIN_TEMPLATES["qwen3-instruct"]) == "conversation"
 
 
 def test_a_template_that_drops_reasoning_is_refused_with_thinking_on():
@@ -224,8 +224,9 @@ def test_the_token_export_trains_on_what_specforge_masks_from_the_generated_toke
         assert exported.written == records
         assert exported.checks["completion agrees with the rendering"] >= (15 if layout == "conversation" else 30)
         if layout == "events":  # history sent as visible content: the served prompt is the training prefix
-            assert exported.checks["served prompt = the training prefix"] == 8  # conversations: own system prompt
-        export_sharegpt(cfg.output, text, layout=layout)
+            assert exported.checks["served prompt = the training prefix"] == 8 * 3  # every turn: own system prompt
+            assert exported.checks["served prompt differs from the training prefix: system_prompt"] == 12  # singles
+        export_sharegpt(cfg.output, text, train_layout=layout)
         expected = run_oracle("masked", tiny_model, text, "qwen3-thinking", [UNCUT], last_turn_only=layout == "events")
         compared = 0
         for line in tokens.read_text().splitlines():
@@ -266,7 +267,7 @@ def test_the_token_export_keeps_tool_call_steps_whole_and_never_splices_ids_of_o
     planted.mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(table, schema=ROW_SCHEMA), planted / "shard-00000-of-00001.parquet")
     again = export_tokens(planted.parent, tmp_path / "planted.jsonl", tiny_model, "qwen3-thinking", "events")
-    assert again.checks["completion's text differs from the rendering (rendered tokens kept)"] == 1, again.checks
+    assert again.checks["completion differs from the rendering: template_drift (rendered tokens kept)"] == 1, again.checks
     assert again.checks["completion agrees with the rendering"] == 4 * 3 - 1
     read = lambda path: {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}  # noqa: E731
     assert read(tmp_path / "planted.jsonl") == read(tmp_path / "tokens.jsonl")  # the rendering's tokens, as before
@@ -357,8 +358,8 @@ def test_every_other_template_gives_specforges_loss_tokens(tmp_path, tiny_model)
         pq.write_table(pa.Table.from_pylist(make_rows(thinking, count=12), schema=ROW_SCHEMA), data / "shard.parquet")
         for layout in ("conversation", "events") if thinking else ("conversation",):
             export = tmp_path / name / f"{layout}.jsonl"
-            export_sharegpt(data, export, expect_reasoning=thinking, layout=layout)
-            for length in (None, 128):
+            export_sharegpt(data, export, expect_reasoning=thinking, train_layout=layout)
+            for length in (0, 128):  # 0: no cut
                 report_dir = tmp_path / name / f"audit-{layout}-{length}"
                 audit_dataset(data, tokenizer, report_dir, AuditThresholds(1, 1.0, name, length, layout),
                               default_thinking=thinking)
@@ -374,5 +375,153 @@ def test_every_other_template_gives_specforges_loss_tokens(tmp_path, tiny_model)
     for job, counts in expected.items():
         name, layout = job.split("/")
         assert counts and min(v[0] for v in counts.values()) > 0, job
-        assert audited[(name, layout, None)] == {i: v[0] for i, v in counts.items()}, job
+        assert audited[(name, layout, 0)] == {i: v[0] for i, v in counts.items()}, job
         assert audited[(name, layout, 128)] == {i: v[1] for i, v in counts.items()}, job
+
+
+def _model_copy(source, target, old: str, new: str):
+    """The model directory with its chat template edited (one exact replacement)."""
+    import shutil
+
+    shutil.copytree(source, target)
+    template = target / "chat_template.jinja"
+    text = template.read_text()
+    assert text.count(old) == 1, old
+    template.write_text(text.replace(old, new))
+    return target
+
+
+def test_the_on_policy_certificate_holds_on_every_chat_sample_and_names_each_cause_when_not(
+        sim_servers, qwen36_dir, tmp_path):
+    """A sim run on the Qwen3.5/3.6-layout model returns the token ids of every request: under
+    qwen3.5 every sample (each turn of a multi-turn row, in the events layout) is token for token
+    what the engine was served and generated. Then one cause at a time: a training template that
+    drifted from the served one, SpecForge's qwen3-thinking system prompt the engine never saw,
+    and earlier reasoning the engine was sent (its template renders it) that training drops. Each
+    is caught and named per sample, in the summary, the verdict and the samples viewer."""
+    from regen.generate import ShardRun
+    from support.data import write_conversations
+
+    prompts = write_conversations(tmp_path / "p.jsonl", 4, turns=3, singles=6)
+    cfg, servers = sim_servers(prompts=str(prompts), num_shards=1, num_servers=1, model_path=str(qwen36_dir))
+    ShardRun(cfg, [(s.url, s.api_key) for s in servers], 0, "m").run()
+
+    def audit(tokenizer, name: str, template: str = "qwen3.5"):
+        report = audit_dataset(cfg.output, tokenizer, tmp_path / name, AuditThresholds(None, 1.0, template))
+        samples = {s["id"]: s for s in pq.read_table(tmp_path / name / "samples.parquet").to_pylist()}
+        return report, samples
+
+    report, samples = audit(qwen36_dir, "served")
+    assert report.thresholds.train_layout == "events" and report.thresholds.min_on_policy_fraction == 0.95
+    assert len(samples) == 4 * 3 + 6
+    assert {s["on_policy"] for s in samples.values()} == {"exact"}, samples
+    assert report.summary.on_policy == {"checked": 18, "exact": 18, "reasons": {}} and report.passed
+    assert "on-policy: 18 of 18 samples" in "\n".join(report.lines())
+
+    drifted = _model_copy(qwen36_dir, tmp_path / "drifted", "'<|im_start|>user\\n' + m.content",
+                          "'<|im_start|>user\\n\\n' + m.content")
+    report, samples = audit(drifted, "drift")
+    assert {s["on_policy"] for s in samples.values()} == {"template_drift"}
+    assert all("off_policy" in s["findings"] for s in samples.values())
+    assert not report.passed and "the others: template_drift 18" in "\n".join(report.lines())
+    views = json.loads((tmp_path / "drift" / "samples_view.json").read_text())
+    assert views and all(v["on_policy"] == "template_drift" for v in views)
+    assert "NOT WHAT THE ENGINE SAW: the training template renders" in (tmp_path / "drift" / "report.html").read_text()
+
+    report, samples = audit(qwen36_dir, "system", template="qwen3-thinking")
+    assert {i: s["on_policy"] for i, s in samples.items() if i.startswith("s")} == {
+        f"s{i}#turn0": "system_prompt" for i in range(6)}
+    assert {s["on_policy"] for i, s in samples.items() if i.startswith("c")} == {"exact"}  # their own system prompt
+    assert report.thresholds.min_on_policy_fraction == 0.0 and report.passed  # reported, not enforced
+
+    everywhere = _model_copy(qwen36_dir, tmp_path / "renders-history", "loop.index0 > ns.last_user and m.reasoning_content",
+                             "m.reasoning_content")
+    cfg2, servers2 = sim_servers(prompts=str(prompts), num_shards=1, num_servers=1, model_path=str(everywhere),
+                                 output=cfg.output + "-history")
+    ShardRun(cfg2, [(s.url, s.api_key) for s in servers2], 0, "m").run()
+    rows = pq.read_table(f"{cfg2.output}/data").to_pylist()
+    assert all("chat_turns" in r["history_reasoning"] for r in rows if r["id"].startswith("c"))
+    report = audit_dataset(cfg2.output, qwen36_dir, tmp_path / "history", AuditThresholds(None, 1.0, "qwen3.5"))
+    samples = {s["id"]: s for s in pq.read_table(tmp_path / "history" / "samples.parquet").to_pylist()}
+    later = {i: s["on_policy"] for i, s in samples.items() if i.startswith("c") and not i.endswith("#turn0")}
+    assert set(later.values()) == {"history_reasoning"} and len(later) == 4 * 2
+    assert {s["on_policy"] for i, s in samples.items() if i.endswith("#turn0")} == {"exact"}
+    assert not report.passed
+
+
+@pytest.mark.parametrize("model, template", [("qwen3", "qwen3-thinking"), ("qwen36", "qwen3.5")])
+def test_the_agentic_file_loads_alike_in_datasets_4_and_5_and_trains_as_specforges_parser_says(
+        sim_servers, tmp_path, tiny_model, qwen3_tokenizer_dir, qwen36_dir, model, template):
+    """The agentic rows of `regen export --format specforge`, their tools' schemas differing from
+    row to row (a property only some rows have, a `default` of another type): loaded with
+    `datasets` 4.0.0 and 5.x as SpecForge's trainer loads them, SpecForge's parser makes the same
+    input_ids of every sample from both and from the file itself, and its loss tokens are the
+    audit's, sample by sample (the real Qwen3 template; the Qwen3.5/3.6 layout)."""
+    import shutil
+
+    from support.data import TOOLS, agentic_messages
+    from support.engines import DATASETS_PYTHONS
+
+    from regen.export import export_specforge
+    from regen.generate import ShardRun
+    from regen.preflight import preflight
+
+    folder = tmp_path / "model"
+    if model == "qwen36":
+        folder = qwen36_dir
+    else:  # the real Qwen3 tokenizer and its official template
+        shutil.copytree(tiny_model, folder)
+        (folder / "chat_template.jinja").unlink()
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(qwen3_tokenizer_dir / name, folder / name)
+    extra = [{}, {"unit": {"type": "string", "default": "celsius"}}, {"days": {"type": "integer", "default": 3}}]
+    records = []
+    for i, more in enumerate(extra):
+        tools = json.loads(json.dumps(TOOLS))
+        tools[0]["function"]["parameters"]["properties"].update(more)
+        records.append({"id": f"agent{i}", "tools": tools,
+                        "messages": agentic_messages(f"Agent {i}", [["get_weather"], ["get_time", "get_date"]])})
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg, servers = sim_servers(model_path=str(folder), prompts=str(prompts), num_servers=1, num_shards=1,
+                               tool_call_parser="qwen3_coder" if model == "qwen36" else "qwen25")
+    preflight(cfg, code=False)
+    ShardRun(cfg, [(s.url, s.api_key) for s in servers], 0, "m").run()
+    result = export_specforge(cfg.output, tmp_path / "recipe", folder, template)
+    agentic = tmp_path / "recipe" / "regenerated_agentic.jsonl"
+    assert result.counts["agentic"] == 3 and result.train_layout == "events"
+
+    loaded = {}
+    for version, python in DATASETS_PYTHONS.items():
+        assert python.is_file(), f"{python}: run `make datasets`"
+        out = tmp_path / f"loaded-{version}.jsonl"
+        ran = subprocess.run([str(python), str(ROOT / "tests" / "fixtures" / "datasets_load.py"), str(agentic),
+                              str(out), str(tmp_path / f"cache-{version}")], capture_output=True, text=True,
+                             timeout=300, env={**__import__("os").environ, "HF_DATASETS_OFFLINE": "1"})
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        assert ran.stdout.strip().splitlines()[-1] == version
+        loaded[version] = out
+    # What the JSON string prevents: written as a list, datasets 4.0.0 merges every row's tool
+    # schemas (a property of one row appears as null in the others' tools).
+    as_list = tmp_path / "tools-as-list.jsonl"
+    written = [json.loads(line) for line in agentic.read_text().splitlines()]
+    as_list.write_text("".join(json.dumps({**r, "tools": json.loads(r["tools"])}) + "\n" for r in written))
+    merged = tmp_path / "merged.jsonl"
+    subprocess.run([str(DATASETS_PYTHONS["4.0.0"]), str(ROOT / "tests" / "fixtures" / "datasets_load.py"), str(as_list),
+                    str(merged), str(tmp_path / "cache-list")], check=True, capture_output=True, timeout=300)
+    assert [json.loads(line)["tools"] for line in merged.read_text().splitlines()] != [
+        json.loads(r["tools"]) for r in written]
+    files = {"as written": agentic, **loaded}
+    jobs = {name: ["tokens", str(folder), str(path), template, [UNCUT], True] for name, path in files.items()}
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    out = subprocess.run([str(SGLANG_PYTHON), str(ORACLE), "batch", str(tmp_path / "jobs.json")],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    parsed = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(parsed["as written"]) == 3 * 3  # three steps a row
+    assert parsed["4.0.0"] == parsed["as written"] and parsed["5.2.0"] == parsed["as written"]
+
+    audit_dataset(cfg.output, folder, tmp_path / "audit", AuditThresholds(1, 1.0, template, 0, "events"))
+    audited = {s["id"]: s["loss_tokens"] for s in pq.read_table(tmp_path / "audit" / "samples.parquet").to_pylist()}
+    assert {i: audited[i] for i in parsed["as written"]} == {i: sum(mask) for i, (_, mask) in parsed["as written"].items()}
+    assert all(audited[i] > 0 for i in parsed["as written"])

@@ -157,7 +157,7 @@ def test_the_events_export_is_specforges_expansion_of_the_conversation_file(sim_
     ShardRun(cfg, [(r.url, r.api_key) for r in records], 0, "m", tuning=FAST).run()
     conversations, events = tmp_path / "train.jsonl", tmp_path / "events.jsonl"
     export_sharegpt(cfg.output, conversations)
-    result = export_sharegpt(cfg.output, events, layout="events")
+    result = export_sharegpt(cfg.output, events, train_layout="events")
     expected, skipped = expanded(conversations)
     assert [json.loads(line) for line in events.read_text().splitlines()] == expected
     assert result.written == len(expected) == 5 * 3 + 5 and skipped == 0
@@ -195,7 +195,7 @@ def test_the_export_leaves_out_a_history_the_validator_would_refuse(sim_servers,
     ShardRun(cfg, [(r.url, r.api_key) for r in records], 0, "m", tuning=FAST).run()
     result = export_sharegpt(cfg.output, tmp_path / "train.jsonl")
     assert result.written == 2 and result.left_out == {"no reasoning": 3}
-    events = export_sharegpt(cfg.output, tmp_path / "events.jsonl", layout="events")
+    events = export_sharegpt(cfg.output, tmp_path / "events.jsonl", train_layout="events")
     assert events.written == 2 and events.left_out == {"no reasoning": 3}  # skipped whole, as the expander does
 
 

@@ -81,7 +81,7 @@ def test_vllm_end_to_end_thinking_on_passes_and_off_fails(airflow_db, vllm_confi
     # The export in both layouts: events are SpecForge's expansion of the conversation file.
     for layout in ("conversation", "events"):
         out = subprocess.run([str(BIN / "regen"), "export", "--data", cfg.output, "--format", "sharegpt",
-                              "--layout", layout, "--out", str(tmp_path / f"{layout}.jsonl")],
+                              "--train-layout", layout, "--out", str(tmp_path / f"{layout}.jsonl")],
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr
     conversations = [json.loads(line) for line in (tmp_path / "conversation.jsonl").read_text().splitlines()]

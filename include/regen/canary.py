@@ -157,8 +157,8 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
         if row["id"] not in seen:
             rows.append(row)
             seen.add(row["id"])
-    summary, samples, results = audit_rows(rows, cfg.model_path, AuditThresholds.from_config(cfg),
-                                           cfg.enable_thinking)
+    summary, samples, results, thresholds = audit_rows(rows, cfg.model_path, AuditThresholds.from_config(cfg),
+                                                       cfg.enable_thinking)
     result = CanaryResult(rows)
     n = len(samples)  # the samples training will see: one per assistant turn in the events layout
 
@@ -183,7 +183,7 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
               "request's chat_template_kwargs did nothing: does the chat template read enable_thinking?)", limit=0.0)
     check("empty_answer", "answers are empty")
     check("degenerate", f"samples are degenerate (loss mask under min_loss_tokens "
-          f"{cfg.audit.min_loss_tokens}, or no reasoning while thinking is on): the audit's limit of "
+          f"{thresholds.min_loss_tokens}, or no reasoning while thinking is on): the audit's limit of "
           f"{cfg.audit.max_degenerate_fraction:.1%} would not hold", plausible=cfg.audit.max_degenerate_fraction)
     check("truncated", f"answers hit max_tokens {cfg.sampling.max_tokens} (above max_truncated_fraction "
           f"{cfg.canary.max_truncated_fraction:.0%}): raise max_tokens, the model's traces are longer",
@@ -207,7 +207,11 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
             f"would keep one step of each (max_divergence_fraction {cfg.audit.max_divergence_fraction:.0%} would not "
             f"hold); check the model, its tools and tool_call_parser; e.g. {json.dumps(sample)}")
     result.estimate = estimate_run(alone, together, total, len(endpoints), slots, cfg.generation.queue_margin)
+    check("off_policy", f"samples are not token for token what the engine was served and generated "
+          f"(min_on_policy_fraction {thresholds.min_on_policy_fraction:.0%} would not hold; why: on_policy "
+          f"{summary.on_policy['reasons']})", limit=1 - thresholds.min_on_policy_fraction)
     result.estimate["trainer_cut_fraction"] = round(summary.fraction("cut"), 4)  # preflight's estimate, measured
+    result.estimate["train_max_length"] = thresholds.train_max_length
     sweep_s = cfg.canary.sweep_s if cfg.canary.sweep_s is not None else (0 if cfg.engine == "sim" else SWEEP_S)
     if sweep_s and not result.problems and not cfg.generation.concurrency_per_server:
         result.estimate["sweep"] = sweep_concurrency(quick, rest, endpoints, slots // servers, sweep_s)
@@ -286,6 +290,6 @@ def canary(cfg: RunConfig, run_id: str | None = None) -> CanaryReport:
                    "content": (r["content"] or "")[:EXAMPLE_CHARS]}
                   for r in sorted(result.rows, key=lambda r: r["id"])[:3]],  # the same three, however they finished
         summary=f"canary passed: {len(result.rows)} samples; estimate: {result.estimate.get('text', 'n/a')}"
-                + (f"; the trainer cuts {cut:.0%} of its samples at train_max_length {cfg.audit.train_max_length:,}"
+                + (f"; the trainer cuts {cut:.0%} of its samples at train_max_length {result.estimate['train_max_length']:,}"
                    if (cut := result.estimate.get("trainer_cut_fraction")) else "")
                 + (f"; {off_plan}" if off_plan else ""))

@@ -25,7 +25,6 @@ import signal
 import struct
 import subprocess
 import sys
-import threading
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path

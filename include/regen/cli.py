@@ -208,7 +208,7 @@ def cmd_export(args) -> int:
         cfg = load_config(args)
         try:
             result = export_specforge(args.data, args.out, args.tokenizer or cfg.model_path, cfg.audit.train_template,
-                                      args.layout or cfg.audit.train_layout, cfg.audit.train_max_length)
+                                      cfg.audit.train_layout, cfg.audit.train_max_length)
         except RecipeIncomplete as exc:
             print(exc, file=sys.stderr)
             return EXIT_FAILED
@@ -217,10 +217,10 @@ def cmd_export(args) -> int:
     if args.format == "tokens":
         cfg = load_config(args)
         result = export_tokens(args.data, args.out, args.tokenizer or cfg.model_path, cfg.audit.train_template,
-                               args.layout or cfg.audit.train_layout, cfg.enable_thinking)
+                               cfg.audit.train_layout, cfg.enable_thinking)
     else:
         result = export_sharegpt(args.data, args.out, expect_reasoning=args.expect_reasoning,
-                                 layout=args.layout or "conversation")
+                                 train_layout="events" if args.train_layout == "events" else "conversation")
     print(result.summary())
     return 0
 
@@ -335,12 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["sharegpt", "tokens", "specforge"], default="sharegpt",
                    help="sharegpt: conversations (text); tokens: input_ids and loss_mask from the "
                         "tokens the engine returned; specforge: every file of SpecForge's recipe, in the "
-                        "folder --out, with the `data:` block of each")
-    p.add_argument("--layout", choices=["conversation", "events"], default=None,
-                   help="conversation: one record per prompt (sharegpt's default: what SpecForge's "
-                        "regenerate script writes and its validator checks); events: one per assistant "
-                        "turn (what its expand_reasoning_conversations.py writes; train with "
-                        "train_only_last_turn). tokens, specforge: default the run's train_layout")
+                        "folder --out, with the `data:` block of each. --train-layout picks one record per "
+                        "prompt (conversation: sharegpt's default, what SpecForge's regenerate script writes "
+                        "and its validator checks) or per assistant turn (events: what its "
+                        "expand_reasoning_conversations.py writes; train with train_only_last_turn); tokens "
+                        "and specforge default to the run's")
     p.add_argument("--tokenizer", help="tokens, specforge: tokenizer directory (default: the model path)")
     p.add_argument("--out", required=True, type=Path, help="JSONL file to write (specforge: a folder)")
     p.add_argument("--expect-reasoning", action=argparse.BooleanOptionalAction, default=True,

@@ -2,7 +2,7 @@
 
 ``sharegpt`` writes what SpecForge's ``scripts/regenerate_train_data.py`` writes:
 ``{"id", "conversations": [{"role", "content", "reasoning_content"?}, ...], "status": "success"}``,
-one line per prompt, every regenerated assistant turn with its reasoning; with ``layout=events``,
+one line per prompt, every regenerated assistant turn with its reasoning; with ``train_layout=events``,
 what its ``expand_reasoning_conversations.py`` writes from that file (regen.training). Rows that
 would fail ``scripts/validate_regenerated_data.py --expect-reasoning --strict-think-markers``
 (failed prompts, empty messages, roles out of order, an assistant turn without reasoning,
@@ -19,14 +19,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from regen.chat.loss import assistant_spans, training_tokens
+from regen.chat.loss import training_tokens
+from regen.chat.onpolicy import certify
 from regen.chat.render import generation_prefill, load_tokenizer, render, resolve_training
-from regen.chat.templates import TRAIN_TEMPLATES
+from regen.chat.templates import TRAIN_TEMPLATES, recipe
 from regen.files import atomic_file, atomic_write_text
 from regen.layout import RunLayout
 from regen.manifest import Manifest
 from regen.rows import asked_thinking, iter_batches, row_messages
-from regen.training import (TrainLayout, conversation_record, event_records, history_kept, training_conversation,
+from regen.training import (TrainLayout, conversation_record, event_records, history_kept, served, training_conversation,
                             training_samples, why_left_out)
 
 @dataclass
@@ -46,36 +47,36 @@ class ExportResult:
 
 
 def export_sharegpt(data_dir: str | Path, out: str | Path, expect_reasoning: bool = True,
-                    layout: TrainLayout = "conversation") -> ExportResult:
+                    train_layout: TrainLayout = "conversation") -> ExportResult:
     """Stream the shards into ``out``, written beside it and renamed into place when complete:
     one conversation per prompt, or (``events``) what SpecForge's expander writes from that file."""
     written = 0
 
     def record(row: dict) -> tuple[list[dict], str | None]:
         nonlocal written
-        reason = why_left_out(row, expect_reasoning or layout == "events")
+        reason = why_left_out(row, expect_reasoning or train_layout == "events")
         if reason:
             return [], reason
         doc = conversation_record(row)
         written += 1
-        return (event_records(doc, written - 1, history_kept(row)) if layout == "events" else [doc]), None
+        return (event_records(doc, written - 1, history_kept(row)) if train_layout == "events" else [doc]), None
 
-    return _export(data_dir, out, record, "events" if layout == "events" else "conversations")
+    return _export(data_dir, out, record, "events" if train_layout == "events" else "conversations")
 
 
 def export_tokens(data_dir: str | Path, out: str | Path, tokenizer_dir: str | Path,
-                  template_name: str = "auto", layout: str = "auto", default_thinking: bool = True) -> ExportResult:
+                  template_name: str = "auto", train_layout: str = "auto", default_thinking: bool = True) -> ExportResult:
     """``{"id", "input_ids", "loss_mask"}`` per training sample (a conversation, or an event in
     the events layout), what SpecForge's parser makes of the same sample (its system prompt,
-    ignore tokens and the template's rendering, empty think block included), with the generated
-    part taken from the engine's own token ids where the row has them: where re-encoding the
-    text agrees with them, the record is SpecForge's exactly. The engine's ids replace the
-    rendering's only when they decode to the same text (another tokenization of it); ids whose
-    text differs (a template that drifted, a think block opened twice) are not used: the sample
-    keeps the rendering's, and ``checks`` counts it. For SpecForge's online training from token
-    ids; its offline ``prepare_hidden_states.py`` reads conversations only."""
+    ignore tokens and the template's rendering, empty think block included), the engine's own
+    token ids used only where the on-policy certificate (regen.chat.onpolicy) allows: a sample
+    whose rendered prompt part is the served prompt and whose generated part is the engine's
+    completion in another tokenization takes the engine's ids (the record is then token for
+    token what the engine saw and produced); every other sample keeps the rendering's, and
+    ``checks`` counts each case with its reason. For SpecForge's online training from token ids;
+    its offline ``prepare_hidden_states.py`` reads conversations only."""
     tokenizer = load_tokenizer(str(tokenizer_dir))
-    template_name, layout = resolve_training(tokenizer, template_name, layout)
+    template_name, train_layout = resolve_training(tokenizer, template_name, train_layout)
     template = TRAIN_TEMPLATES[template_name]
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     after_eos, ignored = encode(template.fmt.after_eos), [encode(t) for t in template.ignore]
@@ -89,37 +90,37 @@ def export_tokens(data_dir: str | Path, out: str | Path, tokenizer_dir: str | Pa
             return [], sample["left_out"]
         conversation, tools = training_conversation(sample, template)
         text = render(tokenizer, [conversation], template.render_thinking, [tools])[0]
-        ids, mask, ranges = training_tokens(tokenizer, text, template.fmt, template.ignore, layout == "events")
-        completion = sample.get("completion_token_ids")
-        if completion is not None and ranges:
-            first, last = ranges[-1]
-            filled = prefill[asked_thinking(sample, default_thinking)]
-            start = assistant_spans(text, template.fmt)[-1][0]
-            g = first + (len(encode(filled)) if filled and text.startswith(filled, start) else 0)
-            ended = sample.get("finish_reason") in ("stop", "tool_calls")  # the turn closed: what follows its EOS
-            generated = list(completion) + (after_eos if ended else [])
-            if ids[g:last] == generated:
-                checks["completion agrees with the rendering"] += 1
-            elif tokenizer.decode(generated) != tokenizer.decode(ids[g:last]):
-                checks["completion's text differs from the rendering (rendered tokens kept)"] += 1
-            else:
-                checks["completion re-encodes differently (engine's tokens kept)"] += 1
-                gen_mask = [1] * len(generated)
-                for pattern in ignored:
-                    for at in range(len(generated) - len(pattern) + 1):
-                        if pattern and generated[at:at + len(pattern)] == pattern:
-                            gen_mask[at:at + len(pattern)] = [0] * len(pattern)
-                ids, mask = ids[:g] + generated + ids[last:], mask[:g] + gen_mask + mask[last:]
-            served = sample.get("prompt_token_ids")
-            if served is not None:
-                checks["served prompt = the training prefix" if list(served) == ids[:g]
-                       else "served prompt differs from the training prefix (system prompt, history)"] += 1
+        ids, mask, _ = training_tokens(tokenizer, text, template.fmt, template.ignore, train_layout == "events")
+        certificate = certify(tokenizer, [text], template.fmt,
+                              [served(sample, prefill[asked_thinking(sample, default_thinking)])])[0]
+        if certificate is None:
+            checks["no token ids from the engine (rendered)"] += 1
+            return [{"id": str(sample["id"]), "input_ids": ids, "loss_mask": mask}], None
+        if certificate.prompt_exact is not None:
+            checks["served prompt = the training prefix" if certificate.prompt_exact else
+                   f"served prompt differs from the training prefix: {certificate.prompt_reason}"] += 1
+        if certificate.completion_exact:
+            checks["completion agrees with the rendering"] += 1
+        elif (certificate.prompt_exact and certificate.completion_reason == "retokenization"
+              and sample.get("finish_reason") in ("stop", "tool_calls")):
+            g, last = certificate.generation
+            generated = list(sample["completion_token_ids"]) + after_eos
+            gen_mask = [1] * len(generated)
+            for pattern in ignored:
+                for at in range(len(generated) - len(pattern) + 1):
+                    if pattern and generated[at:at + len(pattern)] == pattern:
+                        gen_mask[at:at + len(pattern)] = [0] * len(pattern)
+            ids, mask = ids[:g] + generated + ids[last:], mask[:g] + gen_mask + mask[last:]
+            checks["completion re-encodes differently (the engine's tokens kept: now token-exact)"] += 1
+        else:
+            checks[f"completion differs from the rendering: {certificate.completion_reason} "
+                   f"(rendered tokens kept)"] += 1
         return [{"id": str(sample["id"]), "input_ids": ids, "loss_mask": mask}], None
 
     def samples(rows: list[dict]) -> list[dict]:
-        return training_samples(rows, layout, default_thinking, template.keeps_reasoning)
+        return training_samples(rows, train_layout, default_thinking, template.keeps_reasoning)
 
-    result = _export(data_dir, out, record, "events" if layout == "events" else "conversations", samples)
+    result = _export(data_dir, out, record, "events" if train_layout == "events" else "conversations", samples)
     result.checks = checks
     return result
 
@@ -155,7 +156,7 @@ class RecipeIncomplete(ValueError):
 class RecipeResult:
     folder: Path
     counts: Counter
-    layout: str
+    train_layout: str
     data_blocks: dict[str, dict]
     prompts: int | None  # the run's prompts, as its manifest counts them (None: no manifest)
 
@@ -163,15 +164,15 @@ class RecipeResult:
         c = self.counts
         train = [name for name, block in self.data_blocks.items() if block.get("recommended")]
         return (f"wrote {self.folder}: {c['chat']:,} chat conversations ({c['events']:,} events), "
-                f"{c['agentic']:,} agentic conversations ({c['agentic_records']:,} records, {self.layout} layout), "
+                f"{c['agentic']:,} agentic conversations ({c['agentic_records']:,} records, {self.train_layout} layout), "
                 f"{c['error']:,} errors, {c['skipped']:,} skipped"
                 + (f" = {self.prompts:,} prompts" if self.prompts is not None else " (no manifest: not counted against the prompts)")
                 + f"\ntrain on {' and '.join(train)}; the `data:` block of each file is in {self.folder / RECIPE_CONFIG}")
 
 
 def export_specforge(data_dir: str | Path, out_dir: str | Path, tokenizer_dir: str | Path,
-                     template_name: str = "auto", layout: str = "auto",
-                     max_length: int | None = 2048) -> RecipeResult:
+                     template_name: str = "auto", train_layout: str = "auto",
+                     max_length: int | None = None) -> RecipeResult:
     """Every file SpecForge's documented steps take, from one run, in ``out_dir``:
 
     - ``regenerated.jsonl``: the chat conversations as its regenerate_train_data.py writes them,
@@ -186,10 +187,12 @@ def export_specforge(data_dir: str | Path, out_dir: str | Path, tokenizer_dir: s
     - ``regenerated_error.jsonl`` and ``regenerated_skipped.jsonl``: what failed and what was left
       out (by preflight, or by the validator's rules), shaped as its script writes them; success +
       error + skipped must be the run's prompts (RecipeIncomplete otherwise, and nothing written);
-    - ``specforge_data.yaml``: the ``data:`` block of a SpecForge run config for each training file.
+    - ``specforge_data.yaml``: the ``data:`` block of a SpecForge run config for each training file
+      (``max_length``: None takes the template's recipe, 0 none).
     """
     tokenizer = load_tokenizer(str(tokenizer_dir))
-    template_name, layout = resolve_training(tokenizer, template_name, layout)
+    template_name, train_layout = resolve_training(tokenizer, template_name, train_layout)
+    max_length = recipe(template_name).max_length if max_length is None else max_length
     run = RunLayout.from_data_arg(data_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -218,7 +221,7 @@ def export_specforge(data_dir: str | Path, out_dir: str | Path, tokenizer_dir: s
                                                 for m in record["conversations"]):
                     if record.get("tools"):
                         record["tools"] = json.dumps(record["tools"], ensure_ascii=False)
-                    docs = event_records(record, counts["agentic"], history_kept(row)) if layout == "events" else [record]
+                    docs = event_records(record, counts["agentic"], history_kept(row)) if train_layout == "events" else [record]
                     for doc in docs:
                         line(agentic, doc)
                     counts["agentic"] += 1
@@ -248,12 +251,12 @@ def export_specforge(data_dir: str | Path, out_dir: str | Path, tokenizer_dir: s
                 f"{data_dir}: success {counts['chat'] + counts['agentic']:,} + error {counts['error']:,} + skipped "
                 f"{counts['skipped']:,} = {done:,}, but the run has {prompts:,} prompts: "
                 f"{prompts - done:,} have no row (is every shard finished?); nothing written")
-    blocks = _data_blocks(out, template_name, layout, max_length, counts)
-    atomic_write_text(out / RECIPE_CONFIG, _recipe_yaml(blocks, layout))
-    return RecipeResult(out, counts, layout, blocks, prompts)
+    blocks = _data_blocks(out, template_name, train_layout, max_length, counts)
+    atomic_write_text(out / RECIPE_CONFIG, _recipe_yaml(blocks, train_layout))
+    return RecipeResult(out, counts, train_layout, blocks, prompts)
 
 
-def _data_blocks(out: Path, template_name: str, layout: str, max_length: int | None, counts: Counter) -> dict[str, dict]:
+def _data_blocks(out: Path, template_name: str, train_layout: str, max_length: int | None, counts: Counter) -> dict[str, dict]:
     """Each training file's ``data:`` block, and whether the run's training layout trains on it
     (never on an empty file)."""
     def block(name: str, records: int, last_turn_only: bool, recommended: bool) -> dict:
@@ -262,16 +265,16 @@ def _data_blocks(out: Path, template_name: str, layout: str, max_length: int | N
         return {"records": records, "recommended": recommended,
                 "data": data | {"train_only_last_turn": last_turn_only}}
 
-    events = layout == "events"
+    events = train_layout == "events"
     return {RECIPE_CHAT: block(RECIPE_CHAT, counts["chat"], False, not events and counts["chat"] > 0),
             RECIPE_EVENTS: block(RECIPE_EVENTS, counts["events"], True, events and counts["chat"] > 0),
             RECIPE_AGENTIC: block(RECIPE_AGENTIC, counts["agentic_records"], events, counts["agentic"] > 0)}
 
 
-def _recipe_yaml(blocks: dict[str, dict], layout: str) -> str:
+def _recipe_yaml(blocks: dict[str, dict], train_layout: str) -> str:
     import yaml
 
     train = " and ".join(name for name, b in blocks.items() if b["recommended"])
     return (f"# The `data:` block of a SpecForge run config (specforge train -c) for each file regen wrote.\n"
-            f"# This run trains in the {layout} layout: {train}.\n"
+            f"# This run trains in the {train_layout} layout: {train}.\n"
             + yaml.safe_dump(blocks, sort_keys=False))

@@ -157,6 +157,7 @@ class AuditResult(StageResult):
     thinking_rows: int
     reasoning_rows: int
     agentic: dict[str, Any]  # agentic rows: steps, spliced results, changed arguments, divergences by kind
+    on_policy: dict[str, Any]  # samples with the engine's token ids: checked, exact, the others by reason, fraction
     example_degenerate: dict[str, Any] | None
     provenance: dict[str, Any]
     summary: list[str]

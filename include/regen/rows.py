@@ -24,7 +24,8 @@ MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string()), ("rea
                           ("tool_calls", pa.string()), ("tool_call_id", pa.string()), ("name", pa.string())])
 TOKEN_IDS = pa.list_(pa.int32())
 TURN_TYPE = pa.struct([("finish_reason", pa.string()), ("prompt_tokens", pa.int64()),
-                       ("completion_tokens", pa.int64()), ("completion_token_ids", TOKEN_IDS)])
+                       ("completion_tokens", pa.int64()), ("completion_token_ids", TOKEN_IDS),
+                       ("prompt_token_ids", TOKEN_IDS)])
 
 
 def _col(arrow: pa.DataType | None = None, audit: bool = False) -> Any:

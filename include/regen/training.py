@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from regen.chat.onpolicy import Served
 from regen.rows import asked_thinking, final_message, row_messages, row_tools
 from regen.turns import reasoning_sent_at, served_history
 
@@ -54,6 +55,12 @@ def training_conversation(row: dict, template) -> tuple[list[dict], list[dict] |
     final = final_message(row)
     return (training_messages(row_messages(row), final["reasoning_content"], final["content"], template,
                               final.get("tool_calls")), row_tools(row))
+
+
+def served(row: dict, prefill: str) -> Served:
+    """What the engine was served and generated for the sample's last turn, for its certificate."""
+    return Served(row.get("prompt_token_ids"), row.get("completion_token_ids"),
+                  row.get("finish_reason") in ("stop", "tool_calls"), prefill)
 
 
 def why_left_out(row: dict, expect_reasoning: bool) -> str | None:
@@ -116,8 +123,8 @@ def event_records(record: dict, source_row_index: int, kept: tuple[bool, bool] =
 
 def event_rows(row: dict) -> list[dict]:
     """The row's events as rows the audit reads: each assistant turn the last message of its own
-    sample, its history visible content only. Only the last event has the engine's token ids
-    (those of the row's last turn)."""
+    sample, its history visible content only, each with the engine's token ids of its own request
+    (where the row has them per turn)."""
     messages = row_messages(row)
     outcomes = list(row.get("turns") or [])
     kept = history_kept(row)
@@ -136,7 +143,8 @@ def event_rows(row: dict) -> list[dict]:
                        "content": message.get("content"), "tool_calls": json.dumps(calls) if calls else None,
                        "finish_reason": outcome.get("finish_reason", "stop"),
                        "completion_tokens": outcome.get("completion_tokens"),
-                       "completion_token_ids": outcome.get("completion_token_ids"), "last_step": False})
+                       "completion_token_ids": outcome.get("completion_token_ids"),
+                       "prompt_token_ids": outcome.get("prompt_token_ids"), "last_step": False})
         history.append({"role": "assistant", "content": message.get("content"),
                         "reasoning_content": message.get("reasoning_content")} | ({"tool_calls": calls} if calls else {}))
     events.append({**row, "turns": None, "id": f"{row['id']}#turn{len(events)}", "source_id": row["id"],
@@ -144,7 +152,7 @@ def event_rows(row: dict) -> list[dict]:
     return events
 
 
-def training_samples(rows: list[dict], layout: TrainLayout, default_thinking: bool,
+def training_samples(rows: list[dict], train_layout: TrainLayout, default_thinking: bool,
                      template_thinks: bool = True) -> list[dict]:
     """The samples training will see, one verdict for the export and the audit: a failed row or
     one the export leaves out is one sample (marked ``left_out`` with the reason), the others
@@ -154,12 +162,12 @@ def training_samples(rows: list[dict], layout: TrainLayout, default_thinking: bo
     out = []
     for row in rows:
         thinking = asked_thinking(row, default_thinking)
-        reason = why_left_out(row, expect_reasoning=thinking or template_thinks or layout == "events")
+        reason = why_left_out(row, expect_reasoning=thinking or template_thinks or train_layout == "events")
         if row.get("error") is not None:
             out.append(row)
         elif reason is not None:
             out.append({**row, "left_out": reason})
-        elif layout == "events":
+        elif train_layout == "events":
             out.extend(event_rows(row))
         else:
             out.append(row)

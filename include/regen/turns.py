@@ -34,7 +34,7 @@ from typing import Any
 from regen.toolcalls import compare_calls
 
 ANSWER_FIELDS = ("reasoning_content", "content", "tool_calls", "finish_reason", "prompt_tokens",
-                 "completion_tokens", "completion_token_ids")
+                 "completion_tokens", "completion_token_ids", "prompt_token_ids")
 EARLIER_TURN_CUT = "earlier turn unusable"  # how the error of such a conversation starts
 TOOL_DIVERGENCE = "tool_divergence"  # how the divergence of such a conversation starts
 SHARED_PREFIX_MIN_CHARS = 1000  # about 250 tokens: below it, a prefix cache hit saves little
@@ -137,7 +137,8 @@ class Conversation:
         out = {**row, "messages": [_stored(m) for m in messages],
                "turns": [{"finish_reason": a["finish_reason"], "prompt_tokens": a["prompt_tokens"],
                           "completion_tokens": a["completion_tokens"],
-                          "completion_token_ids": a.get("completion_token_ids")} for a in done]}
+                          "completion_token_ids": a.get("completion_token_ids"),
+                          "prompt_token_ids": a.get("prompt_token_ids")} for a in done]}
         if self.tools or any(a.get("tool_calls") for a in done) or any(m["role"] == "tool" for m in messages):
             own = self.all_turns  # with regenerate_turns last, the history's calls and results are the dataset's
             out.update(tools=_json(self.tools), tool_calls=_json(row.get("tool_calls")), divergence=divergence,

@@ -22,3 +22,6 @@ SGLANG_PYTHON = Path(os.environ.get("REGEN_SGLANG_PYTHON") or next(
     iter(sorted((Path.home() / ".cache" / "regen").glob("sglang-*/bin/python"))), "missing"))
 VLLM_PYTHON = Path(os.environ.get("REGEN_VLLM_PYTHON", "missing"))
 TRAINED_MODEL = Path(os.environ.get("REGEN_TRAINED_MODEL", "missing"))
+# `datasets` 4.0.0 and 5.x (`make datasets`): what SpecForge's trainer may load the export with.
+DATASETS_PYTHONS = {"4.0.0": Path(os.environ.get("REGEN_DATASETS4_PYTHON", "missing")),
+                    "5.2.0": Path(os.environ.get("REGEN_DATASETS5_PYTHON", "missing"))}

@@ -25,7 +25,7 @@ from regen.audit.findings import (SAMPLE_SCHEMA, AuditFailed, AuditReport, Audit
 from regen.audit.rules import audit_batch
 from regen.chat.render import load_tokenizer, resolve_training
 from regen.childpool import ChildPool
-from regen.chat.templates import TRAIN_TEMPLATES
+from regen.chat.templates import TRAIN_TEMPLATES, recipe
 from regen.config import RunConfig
 from regen.errors import DataError
 from regen.files import atomic_path, atomic_write_json, atomic_write_text
@@ -79,18 +79,23 @@ class Provenance:
 
 def resolved(thresholds: AuditThresholds, tokenizer) -> AuditThresholds:
     """The thresholds with the training template and layout decided (``auto``: by the model's
-    chat template)."""
+    chat template), and what the config left empty taken from that template's recipe."""
     try:
         name, layout = resolve_training(tokenizer, thresholds.train_template, thresholds.train_layout)
     except ValueError as exc:
         raise DataError(str(exc)) from None
-    return replace(thresholds, train_template=name, train_layout=layout)
+    shipped = recipe(name)
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    return replace(thresholds, train_template=name, train_layout=layout,
+                   min_loss_tokens=pick(thresholds.min_loss_tokens, shipped.min_loss_tokens),
+                   train_max_length=pick(thresholds.train_max_length, shipped.max_length),
+                   min_on_policy_fraction=pick(thresholds.min_on_policy_fraction, shipped.min_on_policy_fraction))
 
 
 def audit_rows(rows: list[dict], tokenizer_dir: str, thresholds: AuditThresholds,
-               default_thinking: bool = True) -> tuple[AuditSummary, list[dict], list[dict]]:
+               default_thinking: bool = True) -> tuple[AuditSummary, list[dict], list[dict], AuditThresholds]:
     """Audit rows held in memory (the canary) with the same code as the dataset audit:
-    (summary, the samples training will see, their results)."""
+    (summary, the samples training will see, their results, the thresholds as resolved)."""
     tokenizer = load_tokenizer(str(tokenizer_dir))
     thresholds = resolved(thresholds, tokenizer)
     samples = _samples(rows, thresholds, default_thinking)
@@ -98,7 +103,7 @@ def audit_rows(rows: list[dict], tokenizer_dir: str, thresholds: AuditThresholds
     mark_duplicates(results, set())
     summary = AuditSummary()
     fold(summary, samples, results)
-    return summary, samples, results
+    return summary, samples, results, thresholds
 
 
 _worker_state: tuple | None = None

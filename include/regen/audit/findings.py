@@ -28,7 +28,8 @@ FINDINGS = (
     "foreign_settings",    # made with another model or other settings than the dataset's
     "cut",                 # longer than the training's max length: training sees it cut
     "degenerate_after_cut",  # enough loss tokens whole, too few once cut
-    "retokenized_differs",  # the answer's text, re-encoded as training renders it, is not the generated tokens
+    "retokenized_differs",  # the answer, as training renders and re-encodes it, is not the generated tokens
+    "off_policy",          # training's tokens are not what the engine was served and generated (on_policy says why)
     "left_out",            # the export leaves the conversation out (SpecForge's validator and expander would)
     "earlier_turn_cut",    # an earlier turn was truncated or empty: the conversation stopped there
 )
@@ -45,6 +46,7 @@ SAMPLE_SCHEMA = pa.schema([
     ("tokens", pa.int64()),  # the whole rendered conversation, before the cut
     ("completion_tokens", pa.int64()),
     ("findings", pa.list_(pa.string())),
+    ("on_policy", pa.string()),  # exact, why not (regen.chat.onpolicy.REASONS), or null: no token ids
 ])
 
 
@@ -67,18 +69,19 @@ class AuditFailed(RegenError):
 class AuditThresholds:
     """What a sample is checked against: the limits, and the training's view of it."""
 
-    min_loss_tokens: int
+    min_loss_tokens: int | None  # None (as the limits below): the training template's recipe, see resolved()
     max_degenerate_fraction: float
     train_template: str = "qwen3-thinking"
     train_max_length: int | None = None
     train_layout: str = "auto"  # events | conversation; auto: resolved with the tokenizer (regen.chat.render)
     max_divergence_fraction: float = 1.0
+    min_on_policy_fraction: float | None = None
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "AuditThresholds":
         a = cfg.audit
         return cls(a.min_loss_tokens, a.max_degenerate_fraction, a.train_template, a.train_max_length, a.train_layout,
-                   a.max_divergence_fraction)
+                   a.max_divergence_fraction, a.min_on_policy_fraction)
 
 
 @dataclass
@@ -98,6 +101,9 @@ class AuditSummary:
     agentic: dict[str, Any] = field(default_factory=lambda: {
         "rows": 0, "steps": 0, "spliced_results": 0, "argument_diffs": 0, "divergences": {},
         "history_reasoning": {}})
+    # The samples whose last turn came with the engine's token ids, how many of them training sees
+    # token for token as the engine was served and generated them, why the others differ.
+    on_policy: dict[str, Any] = field(default_factory=lambda: {"checked": 0, "exact": 0, "reasons": {}})
 
     def fraction(self, finding: str) -> float:
         return self.counts[finding] / self.audited if self.audited else 0.0
@@ -105,6 +111,11 @@ class AuditSummary:
     @property
     def degenerate_fraction(self) -> float:
         return self.fraction("degenerate")
+
+    @property
+    def on_policy_fraction(self) -> float | None:
+        """Of the samples with token ids, those token-exact on-policy; None when none had ids."""
+        return self.on_policy["exact"] / self.on_policy["checked"] if self.on_policy["checked"] else None
 
     @property
     def divergence_fraction(self) -> float:
@@ -148,6 +159,13 @@ def fold(summary: AuditSummary, rows: list[dict], results: list[dict]) -> None:
     for row, result in zip(rows, results):
         summary.samples += 1
         _fold_agentic(summary.agentic, row)
+        verdict = result.get("on_policy")
+        if verdict is not None:
+            summary.on_policy["checked"] += 1
+            if verdict == "exact":
+                summary.on_policy["exact"] += 1
+            else:
+                summary.on_policy["reasons"][verdict] = summary.on_policy["reasons"].get(verdict, 0) + 1
         for finding in result["findings"]:
             summary.counts[finding] += 1
         if row.get("left_out"):
@@ -180,7 +198,9 @@ class AuditReport:
     def passed(self) -> bool:
         return self.summary.audited > 0 and not any(self.summary.counts[f] for f in PROVENANCE) and (
             self.summary.degenerate_fraction <= self.thresholds.max_degenerate_fraction) and (
-            self.summary.divergence_fraction <= self.thresholds.max_divergence_fraction)
+            self.summary.divergence_fraction <= self.thresholds.max_divergence_fraction) and (
+            self.summary.on_policy_fraction is None
+            or self.summary.on_policy_fraction >= (self.thresholds.min_on_policy_fraction or 0.0))
 
     def verdict(self) -> str:
         return "PASS" if self.passed else "FAIL"
@@ -194,8 +214,11 @@ class AuditReport:
             "degenerate_fraction": round(s.degenerate_fraction, 6),
             "thresholds": {"min_loss_tokens": self.thresholds.min_loss_tokens,
                            "max_degenerate_fraction": self.thresholds.max_degenerate_fraction,
-                           "max_divergence_fraction": self.thresholds.max_divergence_fraction},
+                           "max_divergence_fraction": self.thresholds.max_divergence_fraction,
+                           "min_on_policy_fraction": self.thresholds.min_on_policy_fraction},
             "divergence_fraction": round(s.divergence_fraction, 6),
+            "on_policy": {**s.on_policy, "fraction": None if s.on_policy_fraction is None
+                          else round(s.on_policy_fraction, 6)},
             "train_view": {"template": self.thresholds.train_template,
                            "layout": self.thresholds.train_layout,
                            "max_length": self.thresholds.train_max_length,
@@ -215,7 +238,8 @@ class AuditReport:
         }
 
     def lines(self) -> list[str]:
-        """The five-line summary (six with agentic rows) for a task log or a terminal."""
+        """The five-line summary for a task log or a terminal, a line more for the on-policy
+        certificate (when the engine returned token ids) and for agentic rows."""
         s = self.summary
         loss, comp = _stats(s.loss_tokens), _stats(s.completion_tokens)
         top = sorted(((n, f) for f, n in s.counts.items() if n and f != "degenerate"), reverse=True)
@@ -236,9 +260,17 @@ class AuditReport:
             + (f"; NOT THIS RUN'S: {s.counts['stale_prompt']:,} stale prompts, "
                f"{s.counts['foreign_settings']:,} other settings"
                if any(s.counts[f] for f in PROVENANCE) else ""),
+            *([self.on_policy_line()] if s.on_policy["checked"] else []),
             *([self.agentic_line()] if s.agentic["rows"] else []),
             f"report: {self.files.report_html}",
         ]
+
+    def on_policy_line(self) -> str:
+        o, fraction = self.summary.on_policy, self.summary.on_policy_fraction or 0.0
+        why = ", ".join(f"{reason} {n:,}" for reason, n in sorted(o["reasons"].items(), key=lambda kv: -kv[1]))
+        return (f"on-policy: {o['exact']:,} of {o['checked']:,} samples are token for token what the engine was "
+                f"served and generated (fraction {fraction:.4f}, limit {self.thresholds.min_on_policy_fraction or 0:.4f})"
+                + (f"; the others: {why}" if why else ""))
 
     def agentic_line(self) -> str:
         a = self.summary.agentic

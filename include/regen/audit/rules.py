@@ -4,11 +4,12 @@ will, and what is found in it."""
 from __future__ import annotations
 
 from regen.audit.findings import AuditThresholds
-from regen.chat.loss import assistant_spans, loss_token_counts
+from regen.chat.loss import loss_token_counts
+from regen.chat.onpolicy import certify
 from regen.chat.render import generation_prefill, render
 from regen.chat.templates import TRAIN_TEMPLATES
 from regen.rows import asked_thinking, row_messages
-from regen.training import training_conversation
+from regen.training import served, training_conversation
 from regen.turns import EARLIER_TURN_CUT
 
 
@@ -23,7 +24,7 @@ def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds,
     conversations, tools = [], []
     for i, row in enumerate(rows):
         findings: list[str] = []
-        results[i] = {"id": row["id"], "loss_tokens": 0, "loss_tokens_uncut": 0, "tokens": 0,
+        results[i] = {"id": row["id"], "loss_tokens": 0, "loss_tokens_uncut": 0, "tokens": 0, "on_policy": None,
                       "completion_tokens": row.get("completion_tokens"), "findings": findings}
         if row.get("error") is not None:
             findings.append("error")
@@ -37,11 +38,13 @@ def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds,
     texts = render(tokenizer, conversations, template.render_thinking, tools)
     counts = loss_token_counts(tokenizer, texts, fmt, thresholds.train_max_length, template.ignore,
                                last_turn_only=thresholds.train_layout == "events")
-    differs = retokenized_differs(tokenizer, texts, [rows[i] for i in to_render], fmt, default_thinking)
+    certified = certificates(tokenizer, texts, [rows[i] for i in to_render], fmt, default_thinking)
     for j, i in enumerate(to_render):
         row, result, count = rows[i], results[i], counts[j]
         findings = result["findings"]
-        result.update(loss_tokens=count.loss, loss_tokens_uncut=count.uncut, tokens=count.total)
+        certificate = certified[j]
+        result.update(loss_tokens=count.loss, loss_tokens_uncut=count.uncut, tokens=count.total,
+                      on_policy=certificate.verdict if certificate else None)
         content = row.get("content") or ""
         thinking = asked_thinking(row, default_thinking)
         reasonings = [row.get("reasoning_content")] + [m.get("reasoning_content") for m in _regenerated(row)]
@@ -62,8 +65,10 @@ def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds,
             findings.append("cut")
             if count.loss < thresholds.min_loss_tokens <= count.uncut:
                 findings.append("degenerate_after_cut")
-        if differs[j]:
+        if certificate and not certificate.completion_exact:
             findings.append("retokenized_differs")
+        if result["on_policy"] not in (None, "exact"):
+            findings.append("off_policy")
         if row.get("left_out"):
             findings.append("left_out")
         if count.loss < thresholds.min_loss_tokens or row.get("left_out") or (
@@ -72,28 +77,12 @@ def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds,
     return results
 
 
-def retokenized_differs(tokenizer, texts: list[str], rows: list[dict], fmt, default_thinking: bool = True) -> list[bool]:
-    """Per rendered conversation whose row holds the generated tokens: whether its last
-    assistant turn, as training renders and re-encodes it, is other tokens than the engine
-    generated (a drafter would learn what the target never produced). What the generation prompt
-    pre-filled (an empty think block with thinking off) is not part of what was generated."""
-    out = [False] * len(texts)
+def certificates(tokenizer, texts: list[str], rows: list[dict], fmt, default_thinking: bool = True) -> list:
+    """Per rendered sample, its on-policy certificate (regen.chat.onpolicy) against the token ids
+    the engine returned for its last turn. What the generation prompt pre-filled (an empty think
+    block with thinking off) is the prompt's, not the generation's."""
     prefill = {thinking: generation_prefill(tokenizer, fmt, thinking) for thinking in (True, False)}
-    todo = []
-    for i, row in enumerate(rows):
-        spans = assistant_spans(texts[i], fmt) if row.get("completion_token_ids") is not None else []
-        if spans:
-            start, end = spans[-1]
-            filled = prefill[asked_thinking(row, default_thinking)]
-            if filled and texts[i].startswith(filled, start):
-                start += len(filled)
-            todo.append((i, texts[i][start:end].removesuffix(fmt.after_eos)))
-    encodings = tokenizer._tokenizer.encode_batch([span for _, span in todo], add_special_tokens=False)
-    for (i, _), encoding in zip(todo, encodings):
-        generated = list(rows[i]["completion_token_ids"])
-        ids = encoding.ids if rows[i].get("finish_reason") == "stop" else encoding.ids[:len(generated)]
-        out[i] = ids != generated
-    return out
+    return certify(tokenizer, texts, fmt, [served(row, prefill[asked_thinking(row, default_thinking)]) for row in rows])
 
 
 def _regenerated(row: dict) -> list[dict]:

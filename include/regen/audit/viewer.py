@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from regen.audit.findings import AuditThresholds
 from regen.chat.loss import assistant_spans
+from regen.chat.onpolicy import REASONS
 from regen.chat.render import render
 from regen.chat.templates import TRAIN_TEMPLATES
 from regen.training import training_conversation
@@ -60,7 +61,8 @@ def build(rows: list[dict], results: dict[str, dict], why: dict[str, str], token
         result = results[row["id"]]
         view = {"id": row["id"], "why": why[row["id"]], "findings": result["findings"],
                 "loss_tokens": result["loss_tokens"], "loss_tokens_uncut": result["loss_tokens_uncut"],
-                "tokens": result["tokens"], "error": row.get("error"), "segments": []}
+                "tokens": result["tokens"], "error": row.get("error"), "segments": [],
+                "on_policy": result.get("on_policy")}
         if row.get("error") is None:
             conversation, tools = training_conversation(row, template)
             text = render(tokenizer, [conversation], template.render_thinking, [tools])[0]
@@ -98,7 +100,9 @@ def render_html(views: list[dict[str, Any]]) -> str:
     for view in views:
         uncut = (f" ({view['loss_tokens_uncut']:,} uncut)" if view["loss_tokens_uncut"] != view["loss_tokens"] else "")
         head = (f"{view['id']} · {view['why']} · {view['loss_tokens']:,} loss tokens{uncut} of "
-                f"{view['tokens']:,} tokens · findings: {', '.join(view['findings']) or 'none'}")
+                f"{view['tokens']:,} tokens · findings: {', '.join(view['findings']) or 'none'}"
+                + (f" · NOT WHAT THE ENGINE SAW: {REASONS.get(view['on_policy'], view['on_policy'])}"
+                   if view.get("on_policy") not in (None, "exact") else ""))
         if view.get("error"):
             body = f"<p>failed: {html.escape(view['error'])}</p>"
         else:

@@ -54,8 +54,8 @@ def loss_spans(tokenizer, texts: Sequence[str], fmt: ChatFormat = QWEN) -> list[
     for text, enc in zip(texts, encodings):
         spans = []
         for start, end in assistant_spans(text, fmt):
-            first = _token_starting_at(enc, len(text), start)
-            last = _token_starting_at(enc, len(text), end)
+            first = token_starting_at(enc, len(text), start)
+            last = token_starting_at(enc, len(text), end)
             if first is None or last is None:
                 first = len(tokenizer.encode(text[:start], add_special_tokens=False))
                 last = len(tokenizer.encode(text[:end], add_special_tokens=False))
@@ -64,7 +64,7 @@ def loss_spans(tokenizer, texts: Sequence[str], fmt: ChatFormat = QWEN) -> list[
     return out
 
 
-def _token_starting_at(enc, text_len: int, char: int) -> int | None:
+def token_starting_at(enc, text_len: int, char: int) -> int | None:
     """Index of the token that starts exactly at ``char`` (the token count at the end of the
     text); None when ``char`` falls inside a token."""
     if char >= text_len:
@@ -95,7 +95,7 @@ def training_tokens(tokenizer, text: str, fmt: ChatFormat = QWEN, ignore: Sequen
     enc = tokenizer._tokenizer.encode(text, add_special_tokens=False)
 
     def token_at(char: int) -> int:
-        index = _token_starting_at(enc, len(text), char)
+        index = token_starting_at(enc, len(text), char)
         return index if index is not None else len(tokenizer.encode(text[:char], add_special_tokens=False))
 
     spans = assistant_spans(text, fmt)
@@ -146,7 +146,7 @@ def loss_token_counts(tokenizer, texts: Sequence[str], fmt: ChatFormat = QWEN, m
         for i, enc in zip(rest, encodings):
             text, found = texts[i], {}
             for char in plans[i][2]:
-                index = _token_starting_at(enc, len(text), char)
+                index = token_starting_at(enc, len(text), char)
                 found[char] = index if index is not None else len(
                     tokenizer.encode(text[:char], add_special_tokens=False))
             positions[i] = found

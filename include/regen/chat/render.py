@@ -124,7 +124,7 @@ def template_for_model(tokenizer, model_type: str | None = None) -> str | None:
     return "qwen3-next-thinking" if name == "qwen3.5" and model_type == "qwen3_next" else name
 
 
-def resolve_training(tokenizer, template_name: str, layout: str) -> tuple[str, str]:
+def resolve_training(tokenizer, template_name: str, train_layout: str) -> tuple[str, str]:
     """(template, layout) with ``auto`` decided by the model's chat template; ValueError when
     the template cannot be told."""
     if template_name == "auto":
@@ -132,12 +132,12 @@ def resolve_training(tokenizer, template_name: str, layout: str) -> tuple[str, s
         if template_name is None:
             raise ValueError(f"{tokenizer.name_or_path}: cannot tell SpecForge's training template from the "
                              f"chat template; set train_template")
-    if layout == "auto":
-        layout = train_layout(tokenizer, TRAIN_TEMPLATES[template_name])
-    return template_name, layout
+    if train_layout == "auto":
+        train_layout = default_train_layout(tokenizer, TRAIN_TEMPLATES[template_name])
+    return template_name, train_layout
 
 
-def train_layout(tokenizer, template: TrainTemplate) -> str:
+def default_train_layout(tokenizer, template: TrainTemplate) -> str:
     """``events`` when the chat template drops earlier turns' reasoning from the history it
     renders (Qwen3's do): SpecForge's recipe then trains one event per assistant turn, last turn
     only; else ``conversation`` (also for a parser that keeps no reasoning at all)."""

@@ -119,3 +119,28 @@ UNSUPPORTED: dict[str, str] = {
 }
 
 DEFAULT_TRAIN_TEMPLATE = TRAIN_TEMPLATES["qwen3-thinking"]
+
+
+@dataclass(frozen=True)
+class TrainRecipe:
+    """What the audit checks a sample against when the config leaves it empty: the training's max
+    length and the fewest loss tokens worth a sample (SpecForge's run config for the template,
+    where it ships one), and the fraction of samples that must be token-exact on-policy
+    (regen.chat.onpolicy). Where the template adds a system prompt of its own, no sample the
+    engine was served without one can be exact: the certificate is reported, not enforced."""
+
+    max_length: int = 2048  # SpecForge's --max-length default
+    min_loss_tokens: int = 16
+    min_on_policy_fraction: float = 0.95
+
+
+# SpecForge's shipped run configs, by the template they train with: its Qwen3.5/3.6 DFlash recipe
+# trains at 4096 tokens, and DFlash needs only 2 consecutive loss tokens to learn from a sample.
+RECIPES: dict[str, TrainRecipe] = {"qwen3.5": TrainRecipe(max_length=4096, min_loss_tokens=2)}
+
+
+def recipe(template_name: str) -> TrainRecipe:
+    found = RECIPES.get(template_name, TrainRecipe())
+    if TRAIN_TEMPLATES.get(template_name, DEFAULT_TRAIN_TEMPLATE).system_prompt:
+        return TrainRecipe(found.max_length, found.min_loss_tokens, 0.0)
+    return found

@@ -297,8 +297,10 @@ class AuditOptions(Options):
 
     section: ClassVar[str] = "Audit"
 
-    min_loss_tokens: int = Field(16, ge=1, title="Min loss tokens",
-                                 description="A sample whose loss mask holds fewer tokens is degenerate.")
+    min_loss_tokens: int | None = Field(
+        None, ge=1, title="Min loss tokens",
+        description="A sample whose loss mask holds fewer tokens is degenerate. Empty: the training "
+                    "template's recipe (2 for qwen3.5, SpecForge's DFlash recipe; else 16).")
     max_degenerate_fraction: float = Field(
         0.01, ge=0, le=1, title="Max degenerate fraction",
         description="The audit fails the run above this fraction of degenerate samples.")
@@ -323,6 +325,13 @@ class AuditOptions(Options):
                     "conversation: one sample per row, every turn trained. auto: events when the "
                     "model's chat template drops earlier turns' reasoning (Qwen3's do), else conversation.")
     train_max_length: int | None = Field(
-        2048, ge=16, title="Training max length",
-        description="SpecForge's --max-length: tokens past it are cut before training (its default "
-                    "2048). Empty: no cut.")
+        None, ge=0, title="Training max length",
+        description="SpecForge's --max-length: tokens past it are cut before training. Empty: the "
+                    "training template's recipe (4096 for qwen3.5, SpecForge's Qwen3.5/3.6 DFlash "
+                    "config; else its default 2048); 0: no cut.")
+    min_on_policy_fraction: float | None = Field(
+        None, ge=0, le=1, title="Min on-policy fraction",
+        description="The audit fails the run when fewer samples than this (of those the engine returned "
+                    "token ids for) are token for token what the engine was served and generated. Empty: "
+                    "0.95, or 0 (reported, not enforced) when the training template adds a system prompt "
+                    "of its own the engine never saw (qwen3-thinking does).")

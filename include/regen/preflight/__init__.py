@@ -128,11 +128,20 @@ def preflight(cfg: RunConfig, code: bool = True, run_id: str = "cli",
                                    + (f", {info['agentic_prompts']:,} of them agentic"
                                       if info.get("agentic_prompts") else "")
                                    + f", engine {cfg.engine}, training as {info.get('train_template')} "
-                                   f"({info.get('train_layout')} layout); {work}"
+                                   f"({info.get('train_layout')} layout{limits_text(info.get('train_limits'))}); {work}"
                                    + (f"\n{plan_line(info['servers'])}" if "servers" in info else "")
                                    + (f"\nlaunch command checked by {info['launch_checked_by']}"
                                       if cfg.engine != "sim" and "launch_checked_by" in info else "")
                                    + (f"\n{line}" if (line := trainer_cut_line(info.get("trainer_cut") or {})) else ""))
+
+
+def limits_text(limits: dict | None) -> str:
+    """The audit's limits as resolved for the training template (its recipe where the config left them empty)."""
+    if not limits:
+        return ""
+    cut = f"max length {limits['max_length']:,}" if limits["max_length"] else "no cut"
+    return (f", {cut}, min loss tokens {limits['min_loss_tokens']}, "
+            f"on-policy at least {limits['min_on_policy_fraction']:.0%}")
 
 
 def plan_line(servers: list[dict]) -> str:

@@ -125,7 +125,7 @@ def check_model(cfg: RunConfig, report: PreflightReport) -> None:
         problems, info = call_bounded("regen.preflight.template:tokenizer_checks", (
             str(model), AuditThresholds.from_config(cfg), cfg.enable_thinking,
             (longest.id, longest.messages) if longest is not None else None, cfg.sampling.max_tokens, context,
-            report.info.get("_sample_prompts") or [], cfg.audit.train_max_length),
+            report.info.get("_sample_prompts") or []),
             TEMPLATE_SECONDS, TEMPLATE_MEMORY_BYTES)
     except OverBudget as exc:
         where = next((model / n for n in ("chat_template.jinja", "tokenizer_config.json") if (model / n).is_file()), model)

@@ -15,7 +15,7 @@ CUT_SAMPLE = 256  # conversations whose prompts are tokenized for the trainer-cu
 
 def tokenizer_checks(model: str, thresholds, enable_thinking: bool, longest: tuple[str, list[dict]] | None,
                      max_tokens: int, context: int | None, sample: list[tuple[list[dict], list[dict] | None]] = (),
-                     train_max_length: int | None = None) -> tuple[list[str], dict]:
+                     ) -> tuple[list[str], dict]:
     """preflight's checks that run the model's tokenizer and chat template: (problems, info);
     run through regen.childpool.call_bounded."""
     from regen.audit.dataset import resolved
@@ -38,6 +38,8 @@ def tokenizer_checks(model: str, thresholds, enable_thinking: bool, longest: tup
         template = TRAIN_TEMPLATES[thresholds.train_template]
         info["train_template"] = thresholds.train_template
         info["train_layout"] = thresholds.train_layout
+        info["train_limits"] = {"max_length": thresholds.train_max_length, "min_loss_tokens": thresholds.min_loss_tokens,
+                                "min_on_policy_fraction": thresholds.min_on_policy_fraction}
         if enable_thinking and not template.keeps_reasoning:
             problems.append(f"train_template {thresholds.train_template!r}: SpecForge's parser for it "
                             f"drops reasoning_content, so training would see empty think blocks")
@@ -52,8 +54,8 @@ def tokenizer_checks(model: str, thresholds, enable_thinking: bool, longest: tup
                                      **history_reasoning_rendered(tokenizer, enable_thinking)}
     except Exception:  # template errors are reported above
         pass
-    if sample and train_max_length:
-        info["trainer_cut"] = trainer_cut(tokenizer, sample, enable_thinking, max_tokens, train_max_length)
+    if sample and thresholds.train_max_length:  # resolved above: the template's recipe where the config left it empty
+        info["trainer_cut"] = trainer_cut(tokenizer, sample, enable_thinking, max_tokens, thresholds.train_max_length)
     if longest is None or not context:
         return problems, info
     prompt_id, messages = longest
