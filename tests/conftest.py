@@ -135,3 +135,22 @@ def airflow(tmp_path_factory):
     (dags / "not_regen.py").write_text(OTHER_DAG)
     with airflow_standalone(home, REGEN_SHARD_RETRIES="0", AIRFLOW__CORE__DAGS_FOLDER=str(dags)) as deployment:
         yield deployment
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """moto's S3 server on loopback, its endpoint and keys in this process's environment (and so
+    in every regen process a test starts), as AWS's own would be."""
+    from support.s3 import moto_server
+
+    with moto_server(tmp_path_factory.mktemp("moto") / "moto.log") as server:
+        saved = {k: os.environ.get(k) for k in server.env}
+        os.environ.update(server.env)
+        try:
+            yield server
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value

@@ -14,7 +14,7 @@ PACKAGE = ROOT / "include" / "regen"
 # A module belongs to the longest prefix listed.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundations", ("regen.errors", "regen.units", "regen.childpool", "regen.modelconfig", "regen.machine", "regen.paths", "regen.files",
-                     "regen.procs", "regen.transport", "regen.logrelay", "regen.toolcalls", "regen.turns", "regen.prompts",
+                     "regen.procs", "regen.objectstore", "regen.transport", "regen.logrelay", "regen.toolcalls", "regen.turns", "regen.prompts",
                      "regen.protocol", "regen.chat", "regen.engines.simulator.settings",
                      "regen.engines.simulator.text", "regen.engines.simulator.calls",
                      "regen.engines.simulator.batching")),
@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                               "regen.servers.records", "regen.servers.gpus", "regen.servers.capacity", "regen.servers.probe", "regen.export",
                               "regen.tinymodel", "regen.audit.findings", "regen.audit.rules",
                               "regen.audit.viewer", "regen.audit.report")),
-    ("work", ("regen.client", "regen.dispatch", "regen.store", "regen.weights", "regen.servers.lifecycle", "regen.servers.plan",
+    ("work", ("regen.client", "regen.dispatch", "regen.store", "regen.parts", "regen.weights", "regen.servers.lifecycle", "regen.servers.plan",
               "regen.servers.watchdog", "regen.audit.dataset", "regen.engines.simulator.app")),
     ("placement", ("regen.placement",)),
     ("stages", ("regen.generate", "regen.canary", "regen.preflight")),

@@ -23,6 +23,7 @@ from regen.engines.simulator.app import main as simulator_main
 from regen.errors import DataError, RegenError
 from regen.export import RecipeIncomplete, export_sharegpt, export_specforge, export_tokens
 from regen.files import read_json
+from regen.objectstore import is_store_url, local_path
 from regen.pipeline import execute, run
 from regen.preflight import PreflightFailed
 from regen.tinymodel import build_tiny_model
@@ -110,8 +111,9 @@ def load_config(args: argparse.Namespace) -> RunConfig:
         return RunConfig.from_mapping({**json.loads(args.config_json), **overrides},
                                       source="--config-json")
     # Flags given on the command line are relative to where the command runs.
-    cwd_relative = {k: str(Path(v).resolve()) for k, v in overrides.items()
-                    if k in ("model_path", "prompts", "output", "staging_dir") and v}
+    cwd_relative = {k: str(local_path(v).resolve()) for k, v in overrides.items()
+                    if k in ("model_path", "prompts", "output", "staging_dir", "work_dir") and v
+                    and not is_store_url(v)}
     overrides.update(cwd_relative)
     cfg = RunConfig.load(args.config, overrides, base_dir=None if args.config else Path.cwd())
     # `--node NAME`: that node's stage. Without it the run's config: a shard then claims any of its

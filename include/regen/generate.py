@@ -27,13 +27,14 @@ from regen.coordination import FairShare, end_approval_hold
 from regen.dispatch import ClientTuning, ServerPool, open_endpoints, scrape_metrics
 from regen.errors import ShardFailed
 from regen.files import read_json
-from regen.layout import RunLayout, shard_key
+from regen.layout import shard_key
 from regen.manifest import Manifest, ShardPrompts, model_fingerprint, prompt_hash, settings_hash, template_kwargs
 from regen.placement import servers_for
 from regen.progress import RunProgress
 from regen.prompts import Prompt, PromptError, read_at
 from regen.results import GenerateResult, ShardResult
 from regen.servers.records import read_state
+from regen.parts import shard_store
 from regen.store import Journal, ShardStore
 from regen.turns import Conversation
 from regen.units import format_duration
@@ -113,7 +114,7 @@ class ShardRun:
         numbers = [shards] if isinstance(shards, int) else sorted(set(shards))
         if not numbers:
             raise ValueError("no shard to run")
-        self.stores = [ShardStore(self.layout, n, cfg.num_shards) for n in numbers]
+        self.stores = [shard_store(cfg, n) for n in numbers]
         self.shards: dict[int, _Shard] = {}
         self.shard_of: dict[str, _Shard] = {}
         self.progress = RunProgress(self.layout)
@@ -184,7 +185,7 @@ class ShardRun:
             if store.complete(shard.prompts.ids, settled, file_ids):
                 shard.up_to_date = True
                 log.info("%s is up to date: every prompt has a good row of this run's prompts, "
-                         "model and settings (%s); nothing to send", store.name, store.final)
+                         "model and settings (%s); nothing to send", store.name, store.location)
                 continue
             shard.pending = set(shard.prompts.ids) - settled
             # An earlier attempt's failures stay failures: the error bound is the shard's, not the attempt's.
@@ -252,7 +253,7 @@ class ShardRun:
             try:
                 shard.store.publish(shard.prompts.hashes, self.settings_hash)
             except OSError as exc:
-                raise ShardFailed(f"{shard.store.name}: cannot write {shard.store.final.name}: "
+                raise ShardFailed(f"{shard.store.name}: cannot write {shard.store.location}: "
                                   f"{exc.strerror or exc}; data/ is unchanged and the journal is kept") from exc
         result = self._result()
         elapsed = time.monotonic() - self.started
@@ -268,12 +269,13 @@ class ShardRun:
         return GenerateResult(seconds=seconds, shards=[ShardResult(
             shard=s.store.shard, num_shards=self.cfg.num_shards, total=s.total, done=s.done,
             failed=s.failed, skipped=s.skipped, bad_records=s.bad, seconds=seconds, tokens=s.tokens,
-            path=str(s.store.final), node=node) for s in self.shards.values()])
+            path=s.store.location, node=node) for s in self.shards.values()])
 
     def _append(self, row: dict) -> None:
         shard = self.shard_of[row["id"]]
         try:
             shard.journal.append(row)
+            shard.store.appended(row)
         except OSError as exc:
             raise ShardFailed(f"{shard.store.name}: cannot write {shard.store.journal_path}: "
                               f"{exc.strerror or exc}") from exc
@@ -431,10 +433,10 @@ def shards_to_run(cfg: RunConfig) -> list[int]:
     if identity is None:
         return list(range(cfg.num_shards))
     wanted = settings_hash(identity, cfg.sampling_settings())
-    layout, manifest = RunLayout(cfg.output), Manifest(RunLayout(cfg.output))
+    manifest = Manifest(cfg.layout)
     left = []
     for shard in range(cfg.num_shards):
-        store, prompts = ShardStore(layout, shard, cfg.num_shards), manifest.shard_prompts(shard)
+        store, prompts = shard_store(cfg, shard), manifest.shard_prompts(shard)
         if not store.complete(prompts.ids, *store.settled(prompts.hashes, wanted)):
             left.append(shard)
     return left

@@ -27,7 +27,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+
+import pyarrow.parquet as pq
+
+from regen.objectstore import (LocalStore, ObjectStore, is_store_url, local_path, open_store, published_files,
+                               slug)
 
 _SHARD_FILE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.parquet$")
 
@@ -75,45 +80,83 @@ class AuditFiles:
         return self.root / "samples_view.json"
 
 
+def work_root(url: str, work_dir: str | Path | None = None) -> Path:
+    """The node-local folder of an object-store output's work in progress (and its audit)."""
+    return Path(work_dir or Path.home() / ".cache" / "regen" / "work") / slug(url)
+
+
 @dataclass(frozen=True)
 class RunLayout:
     root: Path
     node: str | None = None  # a listed node of a run: its servers have their own folder
+    # An object-store URL when the dataset lives there (regen.parts); root is then node-local work.
+    dataset: str | None = None
 
-    def __init__(self, root: str | Path, node: str | None = None):
+    def __init__(self, root: str | Path, node: str | None = None, dataset: str | None = None):
         object.__setattr__(self, "root", Path(root))
         object.__setattr__(self, "node", node)
+        object.__setattr__(self, "dataset", dataset)
 
     @classmethod
-    def from_data_arg(cls, path: str | Path) -> "RunLayout":
-        """``--data`` takes an output directory or its ``data/``: either names the run."""
-        path = Path(path)
+    def for_output(cls, output: str, node: str | None = None, work_dir: str | Path | None = None) -> "RunLayout":
+        """An output folder, or an object-store URL whose work stays in ``work_dir``."""
+        if is_store_url(output):
+            return cls(work_root(output.rstrip("/"), work_dir), node, dataset=output.rstrip("/"))
+        return cls(local_path(output), node)
+
+    @classmethod
+    def from_data_arg(cls, path: str | Path, work_dir: str | Path | None = None) -> "RunLayout":
+        """``--data`` takes an output directory or its ``data/`` (a folder or a URL): either names the run."""
+        if is_store_url(path):
+            url = str(path).rstrip("/")
+            return cls.for_output(url[:-len("/data")] if url.endswith("/data") else url, work_dir=work_dir)
+        path = local_path(path)
         if path.name == "data" or (not (path / "data").is_dir() and any(path.glob("*.parquet"))):
             return cls(path.parent)
         return cls(path)
 
     # --- the dataset and what a person reads ---------------------------------------------
     @property
-    def data(self) -> Path:
-        return self.root / "data"
+    def data(self) -> Path | str:
+        return f"{self.dataset}/data" if self.dataset else self.root / "data"
+
+    def store(self) -> ObjectStore:
+        """Where the dataset's files are: the bucket's prefix, or the output folder."""
+        return open_store(self.dataset) if self.dataset else LocalStore(self.root)
 
     def asset_uri(self, ssh_conn_id: str | None = None) -> str:
         """The dataset's Airflow Asset: its data/ folder (on an SSH node, named by its connection)."""
+        if self.dataset:
+            return str(self.data)
         return f"file://{ssh_conn_id or ''}{self.data}"
 
-    def shard_file(self, shard: int, num_shards: int) -> Path:
+    def shard_file(self, shard: int, num_shards: int) -> Path | PurePosixPath:
+        if self.dataset:
+            return PurePosixPath(self.store().path(f"data/{shard_name(shard, num_shards)}.parquet"))
         return self.data / f"{shard_name(shard, num_shards)}.parquet"
 
     def shard_files(self) -> list[Path]:
+        if self.dataset:
+            return [PurePosixPath(p) for p in self.data_files()]
         if not self.data.is_dir():
             return []
         return sorted(p for p in self.data.iterdir() if parse_shard_file(p.name))
 
-    def data_files(self) -> list[Path]:
-        """Every Parquet file of the dataset (shard files, or files a user put there)."""
+    def data_files(self) -> list[Path] | list[str]:
+        """Every Parquet file of the dataset (shard files, or files a user put there); on an object
+        store the published ones only (regen.parts), as paths of :meth:`parquet`'s filesystem."""
+        if self.dataset:
+            store = self.store()
+            return [store.path(key) for key in published_files(store)]
         if not self.data.is_dir():
             return []
         return sorted(p for p in self.data.glob("*.parquet") if not p.name.startswith((".", "_")))
+
+    def parquet(self, path: Path | str) -> pq.ParquetFile:
+        """One of :meth:`data_files`, opened where it is."""
+        if self.dataset:
+            return pq.ParquetFile(path, filesystem=self.store().arrow()[0])
+        return pq.ParquetFile(path)
 
     @property
     def progress_file(self) -> Path:

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Iterator
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from regen.errors import DataError
 from regen.layout import RunLayout
@@ -126,7 +125,7 @@ def iter_batches(layout: RunLayout, batch_size: int = 512) -> Iterator[list[dict
     if not files:
         raise DataError(f"{layout.data}: no Parquet files to read")
     for path in files:
-        parquet = pq.ParquetFile(path)
+        parquet = layout.parquet(path)
         names = parquet.schema_arrow.names
         missing = set(REQUIRED_COLUMNS) - set(names)
         if missing:
@@ -137,4 +136,4 @@ def iter_batches(layout: RunLayout, batch_size: int = 512) -> Iterator[list[dict
 
 
 def count_rows(layout: RunLayout) -> int:
-    return sum(pq.ParquetFile(p).metadata.num_rows for p in layout.data_files())
+    return sum(layout.parquet(p).metadata.num_rows for p in layout.data_files())

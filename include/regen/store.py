@@ -89,7 +89,7 @@ class Journal:
                     yield row
 
 
-def _ours(row: dict, hashes: dict[str, str], settings_hash: str) -> bool:
+def of_this_run(row: dict, hashes: dict[str, str], settings_hash: str) -> bool:
     """A row of this run: its id's prompt as indexed, sent with this run's settings."""
     return hashes.get(row["id"]) == row.get("prompt_hash") and row.get("settings_hash") == settings_hash
 
@@ -103,6 +103,7 @@ class ShardStore:
         self.layout, self.shard, self.num_shards = layout, shard, num_shards
         self.name = shard_name(shard, num_shards)
         self.final = layout.shard_file(shard, num_shards)
+        self.location = str(self.final)  # where the published file is, as a person reads it
         self.journal_path = layout.journal(shard, num_shards)
         self.errors_path = layout.errors(shard, num_shards)
 
@@ -148,11 +149,11 @@ class ShardStore:
             table = pq.read_table(self.final, columns=["id", "error", "prompt_hash", "settings_hash"])
             for row in table.to_pylist():
                 file_ids.add(row["id"])
-                if _ours(row, hashes, settings_hash) and row["error"] is None:
+                if of_this_run(row, hashes, settings_hash) and row["error"] is None:
                     settled.add(row["id"])
         failed: set[str] = set()
         for row in Journal.rows(self.journal_path):
-            if not _ours(row, hashes, settings_hash):
+            if not of_this_run(row, hashes, settings_hash):
                 continue
             failed.discard(row["id"])
             if row.get("error") is None or not row.get("retryable", False):
@@ -167,13 +168,16 @@ class ShardStore:
         """Per conversation cut mid-way in an earlier attempt: the answers of its finished turns."""
         rows: dict[str, list[dict]] = {}
         for row in Journal.rows(self.journal_path, partial=True):
-            if _ours(row, hashes, settings_hash):
+            if of_this_run(row, hashes, settings_hash):
                 rows.setdefault(row["id"], []).append(row)
         return {i: resumed_answers(r) for i, r in rows.items()}
 
     def complete(self, ids: list[str], settled: set[str], file_ids: set[str]) -> bool:
         """The shard file holds exactly these ids, each settled, and nothing waits in a journal."""
         return len(settled) == len(ids) and file_ids == set(ids) and not self.journal_path.exists()
+
+    def appended(self, row: dict) -> None:
+        """A row the journal now holds: a local shard publishes it from there when it completes."""
 
     def _rows(self) -> Iterator[dict]:
         """The shard's existing rows, then the journal's: later rows win."""

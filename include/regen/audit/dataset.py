@@ -50,8 +50,9 @@ class Provenance:
         self.num_shards = doc.get("num_shards") if layout.prompt_index.exists() else None
         self.settings_counts: Counter = Counter()
         for path in layout.data_files():
-            if "settings_hash" in pq.ParquetFile(path).schema_arrow.names:
-                self.settings_counts.update(pq.read_table(path, columns=["settings_hash"])["settings_hash"].to_pylist())
+            parquet = layout.parquet(path)
+            if "settings_hash" in parquet.schema_arrow.names:
+                self.settings_counts.update(parquet.read(columns=["settings_hash"])["settings_hash"].to_pylist())
         common = self.settings_counts.most_common(1)
         self.settings_hash = doc.get("settings_hash") or (common[0][0] if common else None)
         self._slices: dict[int, dict[str, str]] = {}
@@ -153,12 +154,12 @@ def audited_batches(batches: Iterable[list[dict]], tokenizer_dir: str, threshold
             yield pending.popleft().result()
 
 
-def audit_dataset(data: str | Path, tokenizer_dir: str | Path, report_dir: str | Path,
+def audit_dataset(data: str | Path | RunLayout, tokenizer_dir: str | Path, report_dir: str | Path,
                   thresholds: AuditThresholds, default_thinking: bool = True,
                   batch_size: int = 512, workers: int | None = None) -> AuditReport:
     """``data``: an output directory or its data/. ``workers``: processes to audit with; default
     every core once the data is large enough to pay for their start-up (a few seconds each)."""
-    layout = RunLayout.from_data_arg(data)
+    layout = data if isinstance(data, RunLayout) else RunLayout.from_data_arg(data)
     files = AuditFiles(Path(report_dir))
     files.root.mkdir(parents=True, exist_ok=True)
     rows = count_rows(layout)
@@ -209,7 +210,7 @@ def audit(cfg: RunConfig, data: str | None = None, tokenizer: str | None = None,
     """The audit stage: AuditFailed (with the five-line summary) when the data fails. ``data``
     takes an output directory or its data/ (default: the run's output)."""
     layout = RunLayout.from_data_arg(data) if data else cfg.layout
-    result = audit_dataset(layout.root, tokenizer or cfg.model_path,
+    result = audit_dataset(layout, tokenizer or cfg.model_path,
                            Path(report_dir) if report_dir else layout.audit.root,
                            AuditThresholds.from_config(cfg), default_thinking=cfg.enable_thinking)
     doc = result.to_json()

@@ -18,12 +18,13 @@ from typing import Any
 
 from regen.config.fields import ConfigError
 from regen.config.run import RunConfig, run_fields
+from regen.objectstore import is_store_url
 
 # Chosen by the deployment only: an executable (engine_python, remote_regen), a connection or a
 # machine (ssh_conn_id, nodes, queue, node), where servers listen (host), a directory root
 # (staging_dir, output_root), the servers' key and who may approve a run (approvers).
 DEPLOYMENT_FIELDS = ("engine_python", "remote_regen", "ssh_conn_id", "nodes", "queue", "node", "host",
-                     "staging_dir", "output_root", "api_key", "approvers")
+                     "staging_dir", "output_root", "work_dir", "api_key", "approvers")
 _FLAG = re.compile(r"^--?[A-Za-z]")
 MAX_CONF_BYTES = 256 * 1024
 
@@ -39,7 +40,14 @@ def output_root(deployment: RunConfig) -> str:
 
 
 def _inside(path: str, folder: str) -> bool:
+    if is_store_url(path) or is_store_url(folder):
+        return path == folder or path.startswith(folder.rstrip("/") + "/")
     return os.path.commonpath([path, folder]) == folder
+
+
+def _resolved(location: str) -> str:
+    """A folder's real path; an object-store URL as written, without a trailing slash."""
+    return location.rstrip("/") if is_store_url(location) else os.path.realpath(location)
 
 
 def _flags(args: Iterable[str]) -> set[str]:
@@ -100,18 +108,19 @@ def triggered_run_config(deployment: RunConfig, where: str, conf: Mapping[str, A
     if ceiling is not None and (idle is None or idle > ceiling):
         problems.append(f"idle_shutdown_s: a triggered run's servers stop after at most the deployment's "
                         f"{ceiling:g} s idle ({where}); its conf asks for {'never' if idle is None else f'{idle:g} s'}")
-    root = os.path.realpath(output_root(deployment))
-    out = os.path.realpath(requested.output)
+    root = _resolved(output_root(deployment))
+    out = _resolved(requested.output)
     if out == root or not _inside(out, root):
         problems.append(f"output {requested.output}: a triggered run writes in a folder under the deployment's "
                         f"output root {root} (output_root, or the folder of output, in {where})")
     else:
-        holder = next((folder for folder in _folders_between(root, out) if _is_dataset(folder)), None)
+        holder = None if is_store_url(out) else next(
+            (folder for folder in _folders_between(root, out) if _is_dataset(folder)), None)
         if holder is not None:
             problems.append(f"output {requested.output}: inside the dataset {holder}; a run's output is a folder "
                             f"of its own, never inside another output (its data/ would mix two runs)")
     for dag_id, other in (other_outputs or {}).items():
-        other = os.path.realpath(other)
+        other = _resolved(other)
         if _inside(out, other) or _inside(other, out):
             problems.append(f"output {requested.output}: holds the dataset of DAG {dag_id} ({other})")
     if problems:

@@ -260,6 +260,13 @@ class GenerationOptions(Options):
         0.05, ge=0, le=1, title="Max error fraction per shard",
         description="A shard whose failed prompts pass this fraction fails instead of writing "
         "error rows.")
+    part_rows: int = Field(
+        20000, ge=1, title="Rows per part (object store)",
+        description="On an object-store output, settled rows are sealed into an immutable part "
+        "every this many rows (or part_seconds): a lost node costs at most one part.")
+    part_seconds: float = Field(
+        600.0, gt=0, title="Seconds per part (object store)",
+        description="On an object-store output, a part is sealed at least this often.")
 
 
 class CanaryOptions(Options):

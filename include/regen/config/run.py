@@ -30,10 +30,11 @@ from regen.config.options import (
 )
 from regen.files import read_json
 from regen.layout import RunLayout, parse_shard_file
+from regen.objectstore import is_store_url, local_path
 from regen.paths import DEMO_MODEL, DEMO_PROMPTS, PROJECT_ROOT, VAR_DIR
 
 Engine = Literal["sglang", "vllm", "sim"]
-PATH_FIELDS = ("model_path", "prompts", "output", "output_root", "staging_dir")
+PATH_FIELDS = ("model_path", "prompts", "output", "output_root", "staging_dir", "work_dir")
 
 
 def _in(section: str) -> dict[str, Any]:
@@ -59,7 +60,15 @@ class RunConfig(BaseModel):
     output: str = Field(
         str(VAR_DIR / "datasets" / "demo"), title="Output directory",
         description="Where the dataset goes: `data/` (Parquet shards), `progress.json`, "
-        "`audit/`. A rerun on the same directory resumes.",
+        "`audit/`. A rerun on the same directory resumes. An object-store URL (`s3://BUCKET/PREFIX`, "
+        "`gs://…`) holds `data/` there, written exactly once with create-only writes; the work "
+        "in progress stays in `work_dir`.",
+        json_schema_extra=_in("Run"))
+    work_dir: str | None = Field(
+        None, title="Work directory",
+        description="Set by the deployment: the node-local folder of an object-store output's work "
+        "in progress (journals, locks, progress, the audit's report). Empty: `~/.cache/regen/work`. "
+        "A local output keeps its work in its own `work/`.",
         json_schema_extra=_in("Run"))
     output_root: str | None = Field(
         None, title="Output root",
@@ -253,7 +262,7 @@ class RunConfig(BaseModel):
     @property
     def layout(self) -> RunLayout:
         """The output's paths, with this node's servers folder when the run lists nodes."""
-        return RunLayout(self.output, self.node)
+        return RunLayout.for_output(self.output, self.node, self.work_dir)
 
     def sampling_settings(self) -> dict[str, Any]:
         """What is asked of the model for every request: part of every row's settings hash."""
@@ -299,9 +308,9 @@ class RunConfig(BaseModel):
         """Relative paths made absolute against ``base_dir``."""
         updates = {}
         for name in PATH_FIELDS:
-            if getattr(self, name) is None:
+            if getattr(self, name) is None or is_store_url(getattr(self, name)):
                 continue
-            value = Path(getattr(self, name)).expanduser()
+            value = local_path(getattr(self, name)).expanduser()
             if not value.is_absolute():
                 updates[name] = str((base_dir / value).resolve())
             elif str(value) != getattr(self, name):

@@ -1,0 +1,213 @@
+"""Where a dataset lives: a local folder or an object-store prefix (``s3://``, ``gs://``), through the
+few operations that hold on both without rename, append or a lock: a create-only write, a read, a
+listing and a delete.
+
+A create-only write is S3's ``If-None-Match: *`` (and the same condition on the multipart upload's
+completion; a failed upload is aborted), GCS's ``ifGenerationMatch=0`` (gcsfs's ``mode="create"``),
+and on a local folder a hard link of a finished temporary file, which fails when the name exists.
+Whoever creates a key first owns it; a second writer learns it lost. A retried write that finds
+its own bytes already there (the first try landed, its answer was lost) counts as its own.
+
+Credentials come from where the store's own client looks (the AWS chain, ``AWS_ENDPOINT_URL``,
+GCP's application default): never from a Param, a log line or a row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from regen.errors import DataError
+from regen.files import fsync_dir
+
+META = "_regen"  # the keys of the part protocol (regen.parts) beside data/
+_URL = re.compile(r"^(?P<scheme>[a-z][a-z0-9+.-]*)://(?P<rest>.*)$")
+STORE_SCHEMES = ("s3", "gs", "gcs")
+# What a FUSE mount of a bucket is called in /proc/self/mountinfo: none of them keeps regen's
+# guarantees (mountpoint-s3 has no rename and no append, s3fs-fuse renames by copying and keeps
+# locks on the node, gcsfuse the same).
+_BUCKET_MOUNTS = ("fuse.mountpoint-s3", "fuse.s3fs", "fuse.goofys", "fuse.gcsfuse", "fuse.rclone",
+                  "fuse.juicefs", "fuse.s3ql", "fuse.geesefs")
+
+
+def is_store_url(location: str | os.PathLike) -> bool:
+    """An object-store URL (``s3://``, ``gs://``); ``file://`` and plain paths are local."""
+    match = _URL.match(str(location))
+    return bool(match) and match.group("scheme") in STORE_SCHEMES
+
+
+def local_path(location: str | os.PathLike) -> Path:
+    """A local location as a path: ``file:///x`` is ``/x``."""
+    match = _URL.match(str(location))
+    if match and match.group("scheme") == "file":
+        return Path("/" + match.group("rest").lstrip("/"))
+    if match:
+        raise DataError(f"{location}: the scheme {match.group('scheme')}:// is not one regen reads or "
+                        f"writes; use a path, file://, s3:// or gs://")
+    return Path(location)
+
+
+def bucket_mount(path: str | os.PathLike, mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The FUSE filesystem type of a bucket mount that holds ``path`` (None for any other)."""
+    try:
+        lines = Path(mountinfo).read_text().splitlines()
+    except OSError:
+        return None
+    target = os.path.realpath(path)
+    best, kind = "", None
+    for line in lines:
+        fields = line.split(" - ", 1)
+        if len(fields) != 2:
+            continue
+        mount_point = fields[0].split()[4].replace("\\040", " ")
+        fstype = fields[1].split()[0]
+        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) >= len(best):
+            best, kind = mount_point, fstype
+    return kind if kind in _BUCKET_MOUNTS or (kind or "").startswith("fuse.s3") else None
+
+
+class ObjectStore:
+    """A prefix of a filesystem fsspec knows, addressed by keys relative to it."""
+
+    def __init__(self, url: str, fs, root: str):
+        self.url, self.fs, self.root = url.rstrip("/"), fs, root.rstrip("/")
+
+    def path(self, key: str) -> str:
+        return f"{self.root}/{key}" if key else self.root
+
+    def url_of(self, key: str) -> str:
+        return f"{self.url}/{key}" if key else self.url
+
+    def create(self, key: str, data: bytes) -> bool:
+        """Write ``data`` at ``key`` unless something is there: True when this call created it."""
+        try:
+            self.fs.pipe_file(self.path(key), data, mode="create")
+            return True
+        except FileExistsError:
+            return self._same(key, data)
+
+    def _same(self, key: str, data: bytes) -> bool:
+        """A retry of a write that had landed finds its own bytes: that is a success."""
+        try:
+            there = self.read(key)
+        except FileNotFoundError:
+            return False
+        return hashlib.sha256(there).digest() == hashlib.sha256(data).digest()
+
+    def read(self, key: str) -> bytes:
+        return self.fs.cat_file(self.path(key))
+
+    def exists(self, key: str) -> bool:
+        return self.fs.exists(self.path(key))
+
+    def size(self, key: str) -> int:
+        return int(self.fs.info(self.path(key))["size"])
+
+    def names(self, prefix: str) -> list[str]:
+        """The names directly under ``prefix`` (a folder of keys), sorted."""
+        self.fs.invalidate_cache(self.path(prefix))
+        try:
+            entries = self.fs.ls(self.path(prefix), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def remove(self, keys: list[str]) -> None:
+        if keys:
+            self.fs.rm([self.path(k) for k in keys])
+
+    def arrow(self):
+        """(pyarrow filesystem, root path) for readers that take one."""
+        from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+        return PyFileSystem(FSSpecHandler(self.fs)), self.root
+
+
+class LocalStore(ObjectStore):
+    """A local folder with the same contract: create-only by a hard link of a flushed file."""
+
+    def __init__(self, root: str | os.PathLike):
+        import fsspec
+
+        root = str(Path(root).resolve())
+        super().__init__(f"file://{root}", fsspec.filesystem("file"), root)
+
+    def create(self, key: str, data: bytes) -> bool:
+        final = Path(self.path(key))
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.chmod(tmp, 0o644)
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                return self._same(key, data)
+            fsync_dir(final.parent)
+            return True
+        finally:
+            os.unlink(tmp)
+
+    def read(self, key: str) -> bytes:
+        return Path(self.path(key)).read_bytes()
+
+    def names(self, prefix: str) -> list[str]:
+        folder = Path(self.path(prefix))
+        return sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) if folder.is_dir() else []
+
+    def remove(self, keys: list[str]) -> None:
+        for key in keys:
+            Path(self.path(key)).unlink(missing_ok=True)
+
+
+def _filesystem(scheme: str):
+    import fsspec
+
+    if scheme == "s3":
+        # botocore's standard retry mode backs off on 5xx, 429 and SlowDown; s3fs retries too.
+        return fsspec.filesystem("s3", config_kwargs={"retries": {"mode": "standard", "max_attempts": 8}})
+    return fsspec.filesystem("gcs")
+
+
+def open_store(location: str | os.PathLike) -> ObjectStore:
+    """The store at ``location``: a bucket prefix for an object-store URL, else a local folder."""
+    if not is_store_url(location):
+        return LocalStore(local_path(location))
+    match = _URL.match(str(location))
+    scheme = "gs" if match.group("scheme") == "gcs" else match.group("scheme")
+    rest = match.group("rest").strip("/")
+    if not rest:
+        raise DataError(f"{location}: a bucket is missing (the form is {scheme}://BUCKET/PREFIX)")
+    try:
+        fs = _filesystem(scheme)
+    except ImportError as exc:
+        raise DataError(f"{location}: {scheme}:// needs {'s3fs' if scheme == 's3' else 'gcsfs'} "
+                        f"installed on this node ({exc})") from None
+    return ObjectStore(f"{scheme}://{rest}", fs, rest)
+
+
+def published_files(store: ObjectStore) -> list[str]:
+    """The data files of the dataset at ``store`` whose commit (regen.parts) exists and matches
+    their size: what readers trust."""
+    files = []
+    for name in store.names(f"{META}/published"):
+        commit = json.loads(store.read(f"{META}/published/{name}"))
+        if store.size(commit["file"]) != commit["bytes"]:
+            raise DataError(f"{store.url_of(commit['file'])}: {store.size(commit['file']):,} bytes where its "
+                            f"commit says {commit['bytes']:,}; the store changed a published file")
+        files.append(commit["file"])
+    return sorted(files)
+
+
+def slug(url: str) -> str:
+    """A folder name for a URL's node-local work: readable, and unique by its hash."""
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "-", url.split("://", 1)[-1]).strip("-")[-60:]
+    return f"{readable}-{hashlib.sha256(url.encode()).hexdigest()[:10]}"

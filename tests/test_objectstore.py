@@ -1,0 +1,154 @@
+"""Output on an object store, against a real S3 API on loopback (moto's server): create-only writes
+as S3 answers them, the fence protocol with a zombie writer, SIGKILLs of a shard writing to a
+bucket, and the audit and the export reading the dataset where it is. The same protocol runs on a
+local folder (LocalStore)."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+
+import pandas as pd
+import pytest
+from botocore.exceptions import ClientError
+
+from regen.objectstore import LocalStore, bucket_mount, open_store, published_files
+from regen.parts import ClaimLost, ShardParts
+from support.data import read_ids, write_prompts
+from support.engines import sim_requests_total
+from support.paths import BIN
+from support.processes import wait_until
+
+
+def _rows(ids, settings="s", content="answer"):
+    return [{"id": i, "messages": [{"role": "user", "content": f"q {i}"}], "content": content,
+             "reasoning_content": "because", "finish_reason": "stop", "error": None,
+             "prompt_hash": f"h-{i}", "settings_hash": settings} for i in ids]
+
+
+@pytest.fixture(params=["s3", "local"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return LocalStore(tmp_path / "out")
+    server = request.getfixturevalue("s3_server")
+    return open_store(f"s3://{server.new_bucket()}/runs/one")
+
+
+def test_a_second_create_only_put_is_refused_412_by_the_server_as_by_s3(s3_server):
+    client, bucket = s3_server.client(), s3_server.new_bucket()
+    client.put_object(Bucket=bucket, Key="k", Body=b"first", IfNoneMatch="*")
+    with pytest.raises(ClientError) as refused:
+        client.put_object(Bucket=bucket, Key="k", Body=b"second", IfNoneMatch="*")
+    assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    upload = client.create_multipart_upload(Bucket=bucket, Key="k")["UploadId"]
+    etag = client.upload_part(Bucket=bucket, Key="k", UploadId=upload, PartNumber=1, Body=b"x")["ETag"]
+    with pytest.raises(ClientError) as refused:
+        client.complete_multipart_upload(Bucket=bucket, Key="k", UploadId=upload, IfNoneMatch="*",
+                                         MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": etag}]})
+    assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    assert client.get_object(Bucket=bucket, Key="k")["Body"].read() == b"first"
+
+
+def test_create_is_create_only_and_a_retry_that_finds_its_own_bytes_succeeds(store):
+    assert store.create("a/b.json", b"one")
+    assert not store.create("a/b.json", b"two")  # somebody else's bytes: this writer lost
+    assert store.create("a/b.json", b"one")  # its own first try had landed
+    assert store.read("a/b.json") == b"one"
+    assert store.names("a") == ["b.json"]
+
+
+def test_a_zombie_attempt_cannot_commit_and_the_dataset_holds_each_id_once(store):
+    ids = [f"p{i:03d}" for i in range(30)]
+    hashes = {i: f"h-{i}" for i in ids}
+    old = ShardParts(store, "shard-00000-of-00001")
+    old.claim("attempt 1")
+    old.seal(_rows(ids[:10], content="old"))
+    new = ShardParts(store, "shard-00000-of-00001")
+    new.claim("attempt 2")  # the task's retry, while attempt 1 still runs
+    with pytest.raises(ClaimLost, match="attempt 1 lost its claim to attempt 2"):
+        old.seal(_rows(ids[10:20], content="zombie"))
+    # A zombie that passed its check just before the new claim still gets its part and commit in:
+    # neither counts.
+    old.check_claim = lambda: None
+    old.seal(_rows(ids[10:20], content="zombie"))
+    assert len(new.valid_commits()) == 1
+    new.seal(_rows(ids[10:], content="new"))
+    assert old.publish(hashes, "s") == 30  # even the zombie publishes only what the claim holder accepts
+    assert new.publish(hashes, "s") == 30
+    fs, root = store.arrow()
+    files = published_files(store)
+    df = pd.read_parquet([f"{root}/{f}" for f in files], filesystem=fs)
+    assert sorted(df["id"]) == ids
+    assert set(df.loc[df["id"].isin(ids[10:20]), "content"]) == {"new"}
+    assert set(df.loc[df["id"].isin(ids[:10]), "content"]) == {"old"}
+    assert store.names("_regen/parts/shard-00000-of-00001") == []  # published: the parts went
+
+
+def test_a_fuse_mount_of_a_bucket_is_recognised_from_mountinfo(tmp_path):
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(
+        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+        "90 22 0:50 / /mnt/bucket rw,nosuid,nodev shared:60 - fuse.mountpoint-s3 mountpoint-s3 rw\n"
+        "91 22 0:51 / /mnt/gcs rw shared:61 - fuse.gcsfuse bucket2 rw\n")
+    assert bucket_mount("/mnt/bucket/regen/out", str(mountinfo)) == "fuse.mountpoint-s3"
+    assert bucket_mount("/mnt/gcs", str(mountinfo)) == "fuse.gcsfuse"
+    assert bucket_mount("/data/regen/out", str(mountinfo)) is None
+
+
+@pytest.mark.slow
+def test_sigkills_of_a_shard_writing_to_a_bucket_lose_and_duplicate_nothing(s3_server, sim_servers, tmp_path):
+    """24 SIGKILLs at random points (every fourth also loses the node's work folder), then a run
+    to the end: every id exactly once in `pandas.read_parquet("s3://…/data")`, and each kill cost at
+    most what was in flight plus, for a lost node, one part."""
+    cfg, records = sim_servers(num_servers=1, sim_tokens_per_second=600)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 240)
+    bucket = s3_server.new_bucket()
+    url, work, part_rows, concurrency = f"s3://{bucket}/regen/ds", tmp_path / "work", 6, 6
+    argv = [str(BIN / "regen"), "generate", "--prompts", str(prompts), "--output", url, "--work-dir", str(work),
+            "--endpoints", records[0].url, "--api-key", records[0].api_key, "--num-shards", "1",
+            "--max-tokens", "256", "--concurrency-per-server", str(concurrency), "--part-rows", str(part_rows)]
+    rng = random.Random(7)
+    kills = lost_nodes = orphans = 0
+    prefix = "regen/ds/_regen"
+    while kills < 24:
+        before = len(s3_server.keys(bucket, prefix))
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        target = before + rng.randint(1, 4)  # a part or a commit (or the claim) lands, then the kill
+        wait_until(lambda: len(s3_server.keys(bucket, prefix)) >= target or proc.poll() is not None, 120,
+                   "the shard's next writes to the bucket")
+        if proc.poll() is not None:
+            break
+        proc.kill()
+        proc.wait()
+        kills += 1
+        keys = s3_server.keys(bucket, prefix)
+        parts = {k.rsplit("/", 1)[1][:-8] for k in keys if "/parts/" in k}
+        commits = {k.rsplit("/", 1)[1][:-5] for k in keys if "/commits/" in k}
+        orphans += len(parts - commits)
+        if kills % 4 == 0:
+            shutil.rmtree(work, ignore_errors=True)  # the node is lost with its journal
+            lost_nodes += 1
+    assert kills >= 20, f"the run finished after only {kills} kills: too few to test"
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
+    df = pd.read_parquet(f"{url}/data")
+    assert sorted(df["id"]) == sorted(read_ids(prompts)) and df["id"].is_unique
+    assert df["error"].isna().all()
+    # Requests beyond one per prompt: what each kill had in flight, and a lost node's unsealed part.
+    redone = sim_requests_total(records[0].url) - len(df)
+    assert redone <= kills * concurrency + lost_nodes * part_rows, (redone, kills, lost_nodes)
+    assert orphans >= 1  # some kills fell between a part and its commit
+    assert not s3_server.keys(bucket, "regen/ds/_regen/parts/")  # published: no part is left behind
+
+    report = tmp_path / "report"
+    audit = subprocess.run([str(BIN / "regen"), "audit", "--data", f"{url}/data", "--tokenizer", cfg.model_path,
+                            "--report", str(report)], capture_output=True, text=True, timeout=300)
+    assert "audit PASS" in audit.stdout, audit.stdout + audit.stderr
+    summary = json.loads((report / "summary.json").read_text())
+    assert sum(summary["provenance"]["rows_per_settings_hash"].values()) == len(df)
+    assert summary["counts"]["duplicate_id"] == 0
+    out = tmp_path / "train.jsonl"
+    subprocess.run([str(BIN / "regen"), "export", "--data", url, "--format", "sharegpt", "--out", str(out),
+                    "--tokenizer", cfg.model_path], check=True, capture_output=True, timeout=300)
+    assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == sorted(df["id"])
