@@ -93,7 +93,7 @@ def preflight(dag_nodes: list[str], dag_queue: str | None) -> list[int]:
 
 @task(retries=1, retry_delay=timedelta(seconds=10), **_deadline("stage_weights"))
 def stage_weights(shards: list[int], node: str) -> str:
-    from airflow.exceptions import AirflowSkipException
+    from airflow.sdk.exceptions import AirflowSkipException
 
     if not shards:  # a scheduled run with nothing new: no weights, no servers, no requests
         raise AirflowSkipException("the dataset is up to date (see preflight); nothing to regenerate")

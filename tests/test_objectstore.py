@@ -16,9 +16,10 @@ from botocore.exceptions import ClientError
 
 from regen.objectstore import LocalStore, bucket_mount, open_store, published_files
 from regen.parts import ClaimLost, ShardParts
+from support.airflow import _conf, _states, asset_events
 from support.data import read_ids, write_prompts
 from support.engines import sim_requests_total
-from support.paths import BIN
+from support.paths import BIN, ROOT
 from support.processes import wait_until
 
 
@@ -152,3 +153,36 @@ def test_sigkills_of_a_shard_writing_to_a_bucket_lose_and_duplicate_nothing(s3_s
     subprocess.run([str(BIN / "regen"), "export", "--data", url, "--format", "sharegpt", "--out", str(out),
                     "--tokenizer", cfg.model_path], check=True, capture_output=True, timeout=300)
     assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == sorted(df["id"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("credentials", ["chain", "connection"])
+def test_a_dag_run_writes_its_dataset_to_a_bucket_and_announces_it_there(
+        credentials, s3_server, airflow_db, deployed_dag, make_config, tmp_path, monkeypatch):
+    """With the AWS chain (and the prompts read from the bucket too), or with the deployment's
+    Airflow connection and no AWS variable in the environment at all."""
+    bucket = s3_server.new_bucket()
+    s3_server.client().upload_file(str(ROOT / "demo" / "prompts.jsonl"), bucket, "inputs/prompts.jsonl")
+    monkeypatch.chdir(tmp_path)  # a URL taken for a path would show here as a folder "s3:"
+    fields = {"prompts": f"s3://{bucket}/inputs/prompts.jsonl"}
+    read = dict(key=s3_server.env["AWS_ACCESS_KEY_ID"], secret=s3_server.env["AWS_SECRET_ACCESS_KEY"],
+                client_kwargs={"endpoint_url": s3_server.endpoint, "region_name": "us-east-1"})
+    if credentials == "connection":
+        for name in s3_server.env:
+            monkeypatch.delenv(name)
+        monkeypatch.setenv("AIRFLOW_CONN_REGEN_BUCKET", json.dumps({
+            "conn_type": "aws", "login": read["key"], "password": read["secret"],
+            "extra": {"endpoint_url": s3_server.endpoint, "region_name": "us-east-1"}}))
+        fields = {"output_conn_id": "regen_bucket"}
+    cfg = make_config(output=f"s3://{bucket}/regen/demo", work_dir=str(tmp_path / "work"), num_shards=2,
+                      sim_tokens_per_second=2000, **fields)
+    run = deployed_dag(cfg).test(run_conf=_conf(cfg))
+    assert run.state == "success", _states(run)
+    df = pd.read_parquet(f"{cfg.output}/data", storage_options=read)
+    assert sorted(df["id"]) == sorted(read_ids(ROOT / "demo" / "prompts.jsonl")) and df["id"].is_unique
+    assert sorted(s3_server.keys(bucket, "regen/demo/data/")) == [
+        f"regen/demo/data/shard-0000{i}-of-00002.parquet" for i in range(2)]
+    events = asset_events(f"{cfg.output}/data")  # the Asset is the bucket's data/
+    assert len(events) == 1 and events[0]["rows"] == 280 and events[0]["verdict"] == "PASS"
+    assert not (tmp_path / "s3:").exists() and not list((tmp_path / "work").glob("*/data"))
+    assert list((tmp_path / "work").glob("*/audit/report.html"))  # the report stays on the node

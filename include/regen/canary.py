@@ -215,7 +215,7 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
     sweep_s = cfg.canary.sweep_s if cfg.canary.sweep_s is not None else (0 if cfg.engine == "sim" else SWEEP_S)
     if sweep_s and not result.problems and not cfg.generation.concurrency_per_server:
         result.estimate["sweep"] = sweep_concurrency(quick, rest, endpoints, slots // servers, sweep_s)
-    RunProgress(cfg.output).write_section("canary", {
+    RunProgress(cfg.layout).write_section("canary", {
         "passed": not result.problems, "problems": result.problems, "samples": n,
         "estimate": result.estimate,
         "loss_tokens": sorted(r["loss_tokens"] for r in results),

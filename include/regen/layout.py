@@ -13,12 +13,17 @@
         locks/shard-*.lock                one generator per shard
         errors/shard-*.txt                unreadable prompt records, file:line
         skipped.jsonl                     conversations left out by skip_invalid, with the rule
+        prompts/                          a local copy of prompts on an object store
         servers/                          servers.json, servers.lock, server-I.log, watchdog.*,
                                           leases/NAME.lease, slots/HOST-PORT/slot-NNNN
         nodes/NODE/                       the same, per node of a run over several nodes
         claims/NODE/slot-NNNN             the shards generating on each node now
         progress/                         each writer's part of progress.json, history.jsonl
         alerts/                           markers of alerts already sent
+
+An object-store output (``s3://BUCKET/PREFIX``) keeps only ``data/`` and the part protocol's keys
+in the bucket (:mod:`regen.parts`); everything else above is in a node-local folder under
+``work_dir`` named after the URL (:func:`work_root`).
 
 Who holds which lock and what happens when the holder dies: :mod:`regen.coordination`.
 """
@@ -91,17 +96,23 @@ class RunLayout:
     node: str | None = None  # a listed node of a run: its servers have their own folder
     # An object-store URL when the dataset lives there (regen.parts); root is then node-local work.
     dataset: str | None = None
+    conn_id: str | None = None  # the Airflow connection the dataset's store is opened with
 
-    def __init__(self, root: str | Path, node: str | None = None, dataset: str | None = None):
+    def __init__(self, root: str | Path, node: str | None = None, dataset: str | None = None,
+                 conn_id: str | None = None):
+        if is_store_url(root):  # a folder named "s3:" in the working directory is never meant
+            raise ValueError(f"{root}: an object-store URL is an output, not a folder: RunLayout.for_output")
         object.__setattr__(self, "root", Path(root))
         object.__setattr__(self, "node", node)
         object.__setattr__(self, "dataset", dataset)
+        object.__setattr__(self, "conn_id", conn_id)
 
     @classmethod
-    def for_output(cls, output: str, node: str | None = None, work_dir: str | Path | None = None) -> "RunLayout":
+    def for_output(cls, output: str, node: str | None = None, work_dir: str | Path | None = None,
+                   conn_id: str | None = None) -> "RunLayout":
         """An output folder, or an object-store URL whose work stays in ``work_dir``."""
         if is_store_url(output):
-            return cls(work_root(output.rstrip("/"), work_dir), node, dataset=output.rstrip("/"))
+            return cls(work_root(output.rstrip("/"), work_dir), node, dataset=output.rstrip("/"), conn_id=conn_id)
         return cls(local_path(output), node)
 
     @classmethod
@@ -122,7 +133,7 @@ class RunLayout:
 
     def store(self) -> ObjectStore:
         """Where the dataset's files are: the bucket's prefix, or the output folder."""
-        return open_store(self.dataset) if self.dataset else LocalStore(self.root)
+        return open_store(self.dataset, self.conn_id) if self.dataset else LocalStore(self.root)
 
     def asset_uri(self, ssh_conn_id: str | None = None) -> str:
         """The dataset's Airflow Asset: its data/ folder (on an SSH node, named by its connection)."""
@@ -197,6 +208,11 @@ class RunLayout:
 
     def shard_lock(self, shard: int, num_shards: int) -> Path:
         return self.work / "locks" / f"{shard_name(shard, num_shards)}.lock"
+
+    @property
+    def prompt_copies(self) -> Path:
+        """Local copies of prompts files on an object store (regen.objectstore.local_copy)."""
+        return self.work / "prompts"
 
     @property
     def skipped_prompts(self) -> Path:

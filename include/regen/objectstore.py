@@ -177,8 +177,20 @@ def _filesystem(scheme: str):
     return fsspec.filesystem("gcs")
 
 
-def open_store(location: str | os.PathLike) -> ObjectStore:
-    """The store at ``location``: a bucket prefix for an object-store URL, else a local folder."""
+def _airflow_filesystem(url: str, conn_id: str):
+    """The filesystem Airflow's ObjectStoragePath builds from the connection: its credentials stay
+    in Airflow (a connection, a secrets backend), never in a Param or a log."""
+    try:
+        from airflow.sdk import ObjectStoragePath
+    except ImportError:
+        raise DataError(f"output_conn_id {conn_id}: an Airflow connection, and Airflow is not installed here; "
+                        f"on an SSH node the node's own credentials apply: leave output_conn_id empty") from None
+    return ObjectStoragePath(url, conn_id=conn_id).fs
+
+
+def open_store(location: str | os.PathLike, conn_id: str | None = None) -> ObjectStore:
+    """The store at ``location``: a bucket prefix for an object-store URL, else a local folder;
+    opened with the Airflow connection ``conn_id`` when one is named."""
     if not is_store_url(location):
         return LocalStore(local_path(location))
     match = _URL.match(str(location))
@@ -187,7 +199,7 @@ def open_store(location: str | os.PathLike) -> ObjectStore:
     if not rest:
         raise DataError(f"{location}: a bucket is missing (the form is {scheme}://BUCKET/PREFIX)")
     try:
-        fs = _filesystem(scheme)
+        fs = _airflow_filesystem(f"{scheme}://{rest}", conn_id) if conn_id else _filesystem(scheme)
     except ImportError as exc:
         raise DataError(f"{location}: {scheme}:// needs {'s3fs' if scheme == 's3' else 'gcsfs'} "
                         f"installed on this node ({exc})") from None
@@ -205,6 +217,36 @@ def published_files(store: ObjectStore) -> list[str]:
                             f"commit says {commit['bytes']:,}; the store changed a published file")
         files.append(commit["file"])
     return sorted(files)
+
+
+def local_copy(url: str, folder: Path) -> Path:
+    """A node-local copy of the object at ``url`` (a prompts file: its index addresses byte
+    offsets), fetched again only when the object changed (its ETag or size)."""
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+        info = fs.info(path)
+    except FileNotFoundError:
+        raise DataError(f"{url}: no such object") from None
+    except ImportError as exc:
+        raise DataError(f"{url}: cannot read it on this node ({exc})") from None
+    source = {"url": url, "size": info.get("size"),
+              "version": info.get("ETag") or info.get("etag") or info.get("generation") or info.get("md5Hash")}
+    copy = Path(folder) / f"{slug(url)}{Path(path).suffix}"
+    marker = copy.with_name(copy.name + ".source.json")
+    if copy.exists() and marker.exists() and json.loads(marker.read_text()) == source:
+        return copy
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{copy.name}.", suffix=".tmp", dir=copy.parent)
+    os.close(fd)
+    try:
+        fs.get_file(path, tmp)
+        os.replace(tmp, copy)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    marker.write_text(json.dumps(source))
+    return copy
 
 
 def slug(url: str) -> str:

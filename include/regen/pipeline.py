@@ -20,6 +20,7 @@ from typing import Any
 
 from regen.config import NodeSpec, RunConfig
 from regen.errors import RegenError
+from regen.objectstore import is_store_url, local_copy
 from regen.placement import NODE_LOST_AFTER_S, claim_node
 from regen.remote import run_stage
 from regen.results import StageResult
@@ -93,14 +94,21 @@ def _run_at(entry: Stage, cfg: RunConfig, kwargs: dict[str, Any]) -> StageResult
             if not doc.get("ok"):
                 raise RegenError.from_doc(doc.get("error") or {}, where=where)
             return entry.result.model_validate(doc["result"])
-        return entry.result.model_validate(_as_document(entry.function()(cfg, **kwargs)))
+        return entry.result.model_validate(_as_document(entry.function()(_here(cfg), **kwargs)))
+
+
+def _here(cfg: RunConfig) -> RunConfig:
+    """The config a stage runs with on this machine: prompts on an object store as a local copy."""
+    if not is_store_url(cfg.prompts):
+        return cfg
+    return cfg.model_copy(update={"prompts": str(local_copy(cfg.prompts, cfg.layout.prompt_copies))})
 
 
 def execute(name: str, cfg: RunConfig, kwargs: dict) -> dict:
     """What a node does for :func:`run`: the stage here, its outcome as one document."""
     try:
         entry = stage(name)
-        return {"stage": name, "ok": True, "result": _as_document(entry.function()(cfg, **kwargs))}
+        return {"stage": name, "ok": True, "result": _as_document(entry.function()(_here(cfg), **kwargs))}
     except RegenError as exc:
         return {"stage": name, "ok": False, "error": exc.to_doc()}
     except Exception as exc:  # a bug: its type, message and traceback reach the Airflow side

@@ -24,7 +24,7 @@ from regen.objectstore import is_store_url
 # machine (ssh_conn_id, nodes, queue, node), where servers listen (host), a directory root
 # (staging_dir, output_root), the servers' key and who may approve a run (approvers).
 DEPLOYMENT_FIELDS = ("engine_python", "remote_regen", "ssh_conn_id", "nodes", "queue", "node", "host",
-                     "staging_dir", "output_root", "work_dir", "api_key", "approvers")
+                     "staging_dir", "output_root", "work_dir", "output_conn_id", "api_key", "approvers")
 _FLAG = re.compile(r"^--?[A-Za-z]")
 MAX_CONF_BYTES = 256 * 1024
 

@@ -70,6 +70,13 @@ class RunConfig(BaseModel):
         "in progress (journals, locks, progress, the audit's report). Empty: `~/.cache/regen/work`. "
         "A local output keeps its work in its own `work/`.",
         json_schema_extra=_in("Run"))
+    output_conn_id: str | None = Field(
+        None, title="Output connection",
+        description="Set by the deployment: the Airflow connection (an `aws` or `google_cloud_platform` "
+        "one) an object-store `output` is written with, where a stage runs inside Airflow (its "
+        "ObjectStoragePath). Empty, on the command line and on an SSH node: the store's own chain "
+        "(AWS_* variables, ~/.aws, an instance role; GCP's application default).",
+        json_schema_extra=_in("Run"))
     output_root: str | None = Field(
         None, title="Output root",
         description="Set by the deployment: a run triggered in Airflow writes its `output` only under "
@@ -262,7 +269,7 @@ class RunConfig(BaseModel):
     @property
     def layout(self) -> RunLayout:
         """The output's paths, with this node's servers folder when the run lists nodes."""
-        return RunLayout.for_output(self.output, self.node, self.work_dir)
+        return RunLayout.for_output(self.output, self.node, self.work_dir, self.output_conn_id)
 
     def sampling_settings(self) -> dict[str, Any]:
         """What is asked of the model for every request: part of every row's settings hash."""

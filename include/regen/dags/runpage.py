@@ -58,7 +58,7 @@ def read_report(cfg: RunConfig) -> str:
     """The run's report.html, read through no symlink and within bounds (regen.files)."""
     from regen.files import read_in_folder
 
-    return read_in_folder(cfg.output, cfg.layout.audit.report_html, REPORT_MAX_BYTES).decode("utf-8", "replace")
+    return read_in_folder(cfg.layout.root, cfg.layout.audit.report_html, REPORT_MAX_BYTES).decode("utf-8", "replace")
 
 
 def create_app():

@@ -15,7 +15,7 @@ from regen.config import RunConfig
 from regen.preflight.code import check_code
 from regen.preflight.inputs import check_model, check_prompts
 from regen.preflight.node import (check_engine, check_map_length, check_nodes, check_output, check_ports,
-                                  check_space)
+                                  check_space, check_store)
 from regen.preflight.report import PreflightFailed, PreflightReport
 from regen.preflight.template import trainer_cut_line
 from regen.results import PreflightResult, StagedModel
@@ -44,6 +44,7 @@ def run_preflight(cfg: RunConfig, code: bool = True, max_map_length: int | None 
     if scope != "node":
         check_prompts(cfg, report)
     check_model(cfg, report)
+    check_store(cfg, report)
     check_space(cfg, report)
     if scope != "node":
         check_output(cfg, report)

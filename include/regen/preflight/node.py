@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 from regen.config import RunConfig
 from regen.engines import engine
 from regen.layout import parse_shard_file
+from regen.machine import node_name
+from regen.objectstore import META, bucket_mount, is_store_url, local_path
 from regen.preflight.report import PreflightReport
 from regen.units import format_bytes
 
@@ -65,13 +68,43 @@ def output_bytes_per_row(prompt_chars: int, max_tokens: int) -> float:
     return journal * 1.5
 
 
+def check_store(cfg: RunConfig, report: PreflightReport) -> None:
+    """An object-store output answers a create-only write here (then the probe goes); a local
+    output is not on a FUSE mount of a bucket, which has none of rename, append and flock."""
+    if not is_store_url(cfg.output):
+        mount = bucket_mount(local_path(cfg.output))
+        if mount:
+            report.problems.append(
+                f"output {cfg.output}: on a {mount} mount, which keeps none of regen's guarantees (no atomic "
+                f"rename, no append, no flock across nodes); give the bucket's URL instead (output: "
+                f"s3://BUCKET/PREFIX or gs://BUCKET/PREFIX): regen then writes it with create-only writes")
+        return
+    if cfg.output_conn_id and cfg.ssh_conn_id:
+        report.problems.append(
+            f"output_conn_id {cfg.output_conn_id}: an Airflow connection is read where a stage runs inside "
+            f"Airflow, and this node's stages run over SSH ({cfg.ssh_conn_id}); leave output_conn_id empty and "
+            f"give the node its own credentials (AWS_* variables, ~/.aws, an instance role)")
+        return
+    probe = f"{META}/probe/{node_name()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        store = cfg.layout.store()
+        if not store.create(probe, b"regen preflight probe\n"):
+            raise OSError("a create-only write was refused")
+        store.remove([probe])
+    except Exception as exc:  # the store's client raises its own types: each becomes one line
+        report.problems.append(f"output {cfg.output}: cannot write there from {node_name()} "
+                               f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'})")
+
+
 def check_space(cfg: RunConfig, report: PreflightReport) -> None:
-    output = Path(cfg.output)
+    """The journals fit where they are written: the output, or an object-store output's work_dir."""
+    output = cfg.layout.root
     probe_dir = output
     while not probe_dir.exists() and probe_dir != probe_dir.parent:
         probe_dir = probe_dir.parent
+    where = f"work_dir of {cfg.output}" if is_store_url(cfg.output) else "output"
     if not os.access(probe_dir, os.W_OK):
-        report.problems.append(f"output {output}: not writable ({probe_dir} denies writing)")
+        report.problems.append(f"{where} {output}: not writable ({probe_dir} denies writing)")
     else:
         prompts = report.info.get("prompts", 0)
         longest = report.info.get("longest_prompt_chars", 0)
@@ -79,7 +112,7 @@ def check_space(cfg: RunConfig, report: PreflightReport) -> None:
         free = shutil.disk_usage(probe_dir).free
         report.info["output_estimate_bytes"] = need
         if need > free:
-            report.problems.append(f"output {output}: needs about {format_bytes(need)} for "
+            report.problems.append(f"{where} {output}: needs about {format_bytes(need)} for "
                                    f"{prompts:,} rows, {format_bytes(free)} free")
     if cfg.stage_weights and "model_bytes" in report.info:
         staging = Path(cfg.staging_dir)

@@ -1,0 +1,160 @@
+"""A dataset written to and resumed from an object store: regen's parts protocol against a plain
+`pyarrow.dataset.write_dataset` to the same S3 server (moto's, on loopback).
+
+regen seals the rows into parts of ``--part-rows`` (each a create-only PUT and a create-only
+commit, the claim checked before and after), settles a resume (lists the valid commits, reads
+each part's id and hash columns) and publishes the shard (reads the parts, one create-only PUT of
+the shard file and its commit, the parts deleted). The baseline is what a user writes without
+exactly-once: `write_dataset` with files of the same row count, then a resume that scans the id
+and hash columns of every file it finds. Requests are counted from the server's own request log.
+
+    .venv/bin/python bench/bench_objectstore.py [--rows 50000] [--part-rows 10000] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import boto3
+import pyarrow as pa
+import pyarrow.dataset as ds
+from harness import alternating, write_section
+from pyarrow.fs import S3FileSystem
+
+from regen.layout import RunLayout
+from regen.objectstore import open_store
+from regen.parts import SETTLE_COLUMNS, BucketShardStore
+from regen.rows import ROW_SCHEMA
+from regen.servers.probe import port_is_free
+
+KEYS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def make_rows(count: int) -> pa.Table:
+    reasoning = "Let me work through this carefully, one step at a time. " * 25
+    return pa.Table.from_pylist([{
+        "id": f"q{i:07d}", "messages": [{"role": "user", "content": f"Question {i}: what is {i % 97} x {i % 89}?"}],
+        "reasoning_content": reasoning, "content": f"The answer is {(i % 97) * (i % 89)}.", "finish_reason": "stop",
+        "prompt_tokens": 30, "completion_tokens": 400, "error": None, "prompt_hash": f"h{i}", "settings_hash": "s",
+    } for i in range(count)], schema=ROW_SCHEMA)
+
+
+class Server:
+    """moto's S3 server; its request log is the request count."""
+
+    def __init__(self, folder: Path):
+        self.port = next(p for p in range(28400, 28500) if port_is_free("127.0.0.1", p))
+        self.log = folder / "moto.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1",
+                                          "-p", str(self.port)], stdout=out, stderr=subprocess.STDOUT)
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        while port_is_free("127.0.0.1", self.port):
+            if self.proc.poll() is not None:
+                raise SystemExit(f"moto_server exited: {self.log.read_text()[-1000:]}")
+            time.sleep(0.1)
+
+    def requests(self) -> int:
+        return sum(1 for line in self.log.read_text(errors="replace").splitlines() if " HTTP/1.1" in line)
+
+
+def run_regen(server: Server, bucket: str, table: pa.Table, part_rows: int, work: Path) -> dict:
+    store = open_store(f"s3://{bucket}/regen-{uuid.uuid4().hex[:6]}")
+    hashes = dict(zip(table.column("id").to_pylist(), table.column("prompt_hash").to_pylist()))
+    shard = BucketShardStore(RunLayout(work / uuid.uuid4().hex[:6]), 0, 1, store, part_rows, 1e9)
+    marks = [(time.perf_counter(), server.requests())]
+    shard.parts.claim("bench")
+    for batch in table.to_batches(max_chunksize=part_rows):
+        shard.parts.seal(batch.to_pylist())
+    marks.append((time.perf_counter(), server.requests()))
+    settled, _, _ = BucketShardStore(shard.layout, 0, 1, store, part_rows, 1e9).settled_and_failed(hashes, "s")
+    assert len(settled) == table.num_rows
+    marks.append((time.perf_counter(), server.requests()))
+    assert shard.parts.publish(hashes, "s") == table.num_rows
+    marks.append((time.perf_counter(), server.requests()))
+    return _phases(marks, ("write", "settle", "publish"))
+
+
+def run_baseline(server: Server, bucket: str, table: pa.Table, part_rows: int, work: Path) -> dict:
+    fs = S3FileSystem(access_key=KEYS["AWS_ACCESS_KEY_ID"], secret_key=KEYS["AWS_SECRET_ACCESS_KEY"],
+                      endpoint_override=server.endpoint, scheme="http", region="us-east-1")
+    path = f"{bucket}/base-{uuid.uuid4().hex[:6]}"
+    marks = [(time.perf_counter(), server.requests())]
+    ds.write_dataset(table, path, format="parquet", filesystem=fs, max_rows_per_file=part_rows,
+                     max_rows_per_group=part_rows, existing_data_behavior="error",
+                     file_options=ds.ParquetFileFormat().make_write_options(compression="zstd"))
+    marks.append((time.perf_counter(), server.requests()))
+    ids = ds.dataset(path, format="parquet", filesystem=fs).to_table(columns=SETTLE_COLUMNS).column("id")
+    assert len(set(ids.to_pylist())) == table.num_rows
+    marks.append((time.perf_counter(), server.requests()))
+    return _phases(marks, ("write", "settle"))
+
+
+def _phases(marks: list[tuple[float, int]], names: tuple[str, ...]) -> dict:
+    return {name: (b[0] - a[0], b[1] - a[1]) for name, a, b in zip(names, marks, marks[1:])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=50_000)
+    parser.add_argument("--part-rows", type=int, default=10_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    os.environ.update(KEYS)
+    table = make_rows(args.rows)
+    runs = {"regen": run_regen, "write_dataset": run_baseline}
+    results: dict[str, list[dict]] = {m: [] for m in runs}
+    with tempfile.TemporaryDirectory() as tmp:
+        server = Server(Path(tmp))
+        os.environ["AWS_ENDPOINT_URL"] = server.endpoint
+        try:
+            for r, mode in alternating(list(runs), args.rounds):
+                bucket = f"bench-{uuid.uuid4().hex[:10]}"
+                boto3.client("s3", endpoint_url=server.endpoint).create_bucket(Bucket=bucket)
+                results[mode].append(runs[mode](server, bucket, table, args.part_rows, Path(tmp)))
+                done = results[mode][-1]
+                print(f"round {r}: {mode}: " + ", ".join(f"{k} {s:.2f} s / {n} requests" for k, (s, n) in done.items()))
+        finally:
+            server.proc.terminate()
+            server.proc.wait()
+    body = _table(results, args)
+    write_section("Object storage: write, resume, publish", ".venv/bin/python bench/bench_objectstore.py", body)
+
+
+def _table(results: dict[str, list[dict]], args) -> str:
+    rows = args.rows
+    lines = ["| client | write s (rows/s) | settle a resume s | publish s | all s | requests | requests per 1,000 rows |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    medians = {}
+    for mode, runs in results.items():
+        med = {phase: statistics.median(r[phase][0] for r in runs) for phase in runs[0]}
+        reqs = statistics.median(sum(n for _, n in r.values()) for r in runs)
+        total = sum(med.values())
+        medians[mode] = total
+        lines.append(f"| {mode} | {med['write']:.2f} ({rows / med['write']:,.0f}) | {med['settle']:.2f} | "
+                     f"{med['publish']:.2f} | {total:.2f} | {reqs:,.0f} | {1000 * reqs / rows:.2f} |"
+                     if "publish" in med else
+                     f"| {mode} | {med['write']:.2f} ({rows / med['write']:,.0f}) | {med['settle']:.2f} | none | "
+                     f"{total:.2f} | {reqs:,.0f} | {1000 * reqs / rows:.2f} |")
+    ratio = medians["write_dataset"] / medians["regen"]
+    lines.append("")
+    lines.append(
+        f"{rows:,} rows (~1.6 kB of reasoning each), parts and files of {args.part_rows:,} rows, zstd; moto's S3 "
+        f"server on loopback (objects in its memory); medians of {args.rounds} rounds, order alternated, a fresh "
+        f"prefix each. Write + settle + publish: regen takes {1 / ratio:.2f}x the time of write_dataset + its "
+        f"resume scan. What the difference buys: regen's rows are in `data/` exactly once whatever was killed "
+        f"when (create-only writes, commits, fences); write_dataset's files appear as they are written, a killed "
+        f"writer leaves a partial dataset that a resume cannot tell from a whole one, and two writers both land.")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
