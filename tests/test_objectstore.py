@@ -14,13 +14,17 @@ import pandas as pd
 import pytest
 from botocore.exceptions import ClientError
 
+from regen import objectstore
 from regen.objectstore import LocalStore, bucket_mount, open_store, published_files
+from regen.preflight.node import check_store
+from regen.preflight.report import PreflightReport
 from regen.parts import ClaimLost, ShardParts
 from support.airflow import _conf, _states, asset_events
 from support.data import read_ids, write_prompts
 from support.engines import sim_requests_total
 from support.paths import BIN, ROOT
 from support.processes import wait_until
+from support.s3 import FaultyProxy
 
 
 def _rows(ids, settings="s", content="answer"):
@@ -87,15 +91,62 @@ def test_a_zombie_attempt_cannot_commit_and_the_dataset_holds_each_id_once(store
     assert store.names("_regen/parts/shard-00000-of-00001") == []  # published: the parts went
 
 
-def test_a_fuse_mount_of_a_bucket_is_recognised_from_mountinfo(tmp_path):
+def test_an_output_on_a_fuse_mount_of_a_bucket_is_refused_at_preflight_with_the_url_to_use(
+        make_config, tmp_path, monkeypatch):
+    """No FUSE here to mount: the kernel's mount table is replaced by one that has a bucket mount
+    (the lines as /proc/self/mountinfo writes them)."""
     mountinfo = tmp_path / "mountinfo"
     mountinfo.write_text(
         "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
-        "90 22 0:50 / /mnt/bucket rw,nosuid,nodev shared:60 - fuse.mountpoint-s3 mountpoint-s3 rw\n"
+        f"90 22 0:50 / {tmp_path}/bucket rw,nosuid,nodev shared:60 - fuse.mountpoint-s3 mountpoint-s3 rw\n"
         "91 22 0:51 / /mnt/gcs rw shared:61 - fuse.gcsfuse bucket2 rw\n")
-    assert bucket_mount("/mnt/bucket/regen/out", str(mountinfo)) == "fuse.mountpoint-s3"
-    assert bucket_mount("/mnt/gcs", str(mountinfo)) == "fuse.gcsfuse"
-    assert bucket_mount("/data/regen/out", str(mountinfo)) is None
+    monkeypatch.setattr(objectstore, "MOUNTINFO", str(mountinfo))
+    assert bucket_mount("/mnt/gcs/a") == "fuse.gcsfuse" and bucket_mount("/data/regen/out") is None
+    report = PreflightReport()
+    check_store(make_config(output=str(tmp_path / "bucket" / "regen" / "out")), report)
+    assert len(report.problems) == 1
+    assert "on a fuse.mountpoint-s3 mount" in report.problems[0] and "s3://BUCKET/PREFIX" in report.problems[0]
+    report = PreflightReport()
+    check_store(make_config(output=str(tmp_path / "local" / "out")), report)
+    assert report.problems == []
+
+
+def test_an_unreachable_bucket_is_one_preflight_line_naming_the_output(s3_server, make_config):
+    report = PreflightReport()
+    check_store(make_config(output="s3://no-such-bucket-here/regen/out"), report)
+    assert len(report.problems) == 1 and report.problems[0].startswith("output s3://no-such-bucket-here/regen/out: "
+                                                                       "cannot write there"), report.problems
+
+
+@pytest.mark.slow
+def test_slow_downs_and_lost_answers_are_retried_and_a_write_that_had_landed_counts_once(s3_server, monkeypatch):
+    """Every fifth request answered 503 SlowDown before it reaches the server, and the first PUT of
+    each part answered 503 after it landed: the retry's 412 is the writer's own bytes."""
+    import s3fs
+
+    def fault(method, path, n):
+        if method == "PUT" and "/parts/" in path and all(p != path for _, p, _ in proxy.seen):
+            return "after"
+        return "before" if n % 5 == 4 else None
+
+    proxy = FaultyProxy(s3_server.endpoint, fault)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        store = open_store(f"s3://{s3_server.new_bucket()}/retried")
+        ids = [f"p{i:03d}" for i in range(12)]
+        parts = ShardParts(store, "shard-00000-of-00001")
+        parts.claim("attempt 1")
+        for start in range(0, 12, 4):
+            parts.seal(_rows(ids[start:start + 4]))
+        assert parts.publish({i: f"h-{i}" for i in ids}, "s") == 12
+    finally:
+        proxy.close()
+        s3fs.S3FileSystem.clear_instance_cache()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+    faults = [when for _, _, when in proxy.seen if when]
+    assert faults.count("after") == 3 and faults.count("before") >= 5
+    assert sorted(pd.read_parquet(f"s3://{store.root}/data")["id"]) == ids
 
 
 @pytest.mark.slow

@@ -51,10 +51,13 @@ def local_path(location: str | os.PathLike) -> Path:
     return Path(location)
 
 
-def bucket_mount(path: str | os.PathLike, mountinfo: str = "/proc/self/mountinfo") -> str | None:
+MOUNTINFO = "/proc/self/mountinfo"
+
+
+def bucket_mount(path: str | os.PathLike) -> str | None:
     """The FUSE filesystem type of a bucket mount that holds ``path`` (None for any other)."""
     try:
-        lines = Path(mountinfo).read_text().splitlines()
+        lines = Path(MOUNTINFO).read_text().splitlines()
     except OSError:
         return None
     target = os.path.realpath(path)

@@ -59,3 +59,66 @@ def moto_server(log: Path) -> Iterator[S3Server]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+             b'<Message>Please reduce your request rate.</Message><RequestId>fault</RequestId></Error>')
+
+
+class FaultyProxy:
+    """A loopback proxy in front of the S3 server that answers 503 SlowDown where ``fault(method,
+    path, n)`` says: "before" (the request never reaches the server) or "after" (it lands and its
+    answer is lost: what a retried create-only write must survive). ``n`` counts requests."""
+
+    def __init__(self, upstream: str, fault):
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import urlsplit
+
+        target = urlsplit(upstream)
+        proxy = self
+        self.seen: list[tuple[str, str, str | None]] = []
+        lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _any(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with lock:
+                    n = len(proxy.seen)
+                    when = fault(self.command, self.path, n)
+                    proxy.seen.append((self.command, self.path, when))
+                if when != "before":
+                    conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
+                    conn.request(self.command, self.path, body, {k: v for k, v in self.headers.items()
+                                                                 if k.lower() not in ("connection", "host")})
+                    answer = conn.getresponse()
+                    status, headers, payload = answer.status, answer.getheaders(), answer.read()
+                    conn.close()
+                if when is not None:
+                    status, headers, payload = 503, [("Content-Type", "application/xml")], SLOW_DOWN
+                self.send_response(status)
+                head = self.command == "HEAD" and when is None  # its length is the object's
+                for key, value in headers:
+                    if key.lower() not in ("transfer-encoding", "connection") and (head or key.lower() != "content-length"):
+                        self.send_header(key, value)
+                if not head:
+                    self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(payload)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -27,7 +27,17 @@ lock file                             holder                                 sco
 ``work/owner.json``                   the DAG run that holds the output      from its preflight to its     taken over once nothing of it lives (no   its teardown; else the
 (not a lock: a claim)                 (written by its preflight)             teardown                      lease, approval or server of its run)     next run's preflight
                                                                                                            and its claim is 30 min old
+``URL/_regen/fences/SHARD/fNNNNNN``   an attempt at a shard whose output is  from its claim to its last     nothing to free: a later attempt's fence  the publish (parts and
+(object-store output: not a lock, a   on an object store (regen.parts);      seal; the highest fence is    outranks it, its later parts and commits  commits go; fences stay)
+fence: create-only, never released)   the local shard lock above still       the only one whose new        never count, it stops at its next seal
+                                      guards one node                        commits count
 ====================================  =====================================  ============================  ========================================  ==========================
+
+On an object-store output every ``work/`` file above is in the node's own ``work_dir`` (the bucket has
+no lock and no rename): they coordinate the processes of one node (or of every node that shares that
+``work_dir``). Nodes that share nothing but the bucket stay exactly-once through the fences; their
+shard claims and request slots then no longer see each other, so place one Celery queue per node or
+give the nodes a shared ``work_dir``.
 
 The watchdog (:mod:`regen.servers.watchdog`) is the one process that outlives Airflow on purpose:
 it stops a node's servers when no lease has been live (and no approval pending) for ``idle_shutdown_s``.
