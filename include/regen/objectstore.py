@@ -113,12 +113,23 @@ class ObjectStore:
 
     def names(self, prefix: str) -> list[str]:
         """The names directly under ``prefix`` (a folder of keys), sorted."""
+        return sorted(self.sizes(prefix))
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Name -> size of the keys directly under ``prefix``: one listing."""
         self.fs.invalidate_cache(self.path(prefix))
         try:
-            entries = self.fs.ls(self.path(prefix), detail=False)
+            entries = self.fs.ls(self.path(prefix), detail=True)
         except FileNotFoundError:
+            return {}
+        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries}
+
+    def read_many(self, keys: list[str]) -> list[bytes]:
+        """Several objects at once (fsspec sends the requests concurrently)."""
+        if not keys:
             return []
-        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+        found = self.fs.cat([self.path(k) for k in keys])
+        return [found[self.path(k)] for k in keys]
 
     def remove(self, keys: list[str]) -> None:
         if keys:
@@ -162,9 +173,14 @@ class LocalStore(ObjectStore):
     def read(self, key: str) -> bytes:
         return Path(self.path(key)).read_bytes()
 
-    def names(self, prefix: str) -> list[str]:
+    def sizes(self, prefix: str) -> dict[str, int]:
         folder = Path(self.path(prefix))
-        return sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) if folder.is_dir() else []
+        if not folder.is_dir():
+            return {}
+        return {p.name: p.stat().st_size for p in folder.iterdir() if not p.name.startswith(".")}
+
+    def read_many(self, keys: list[str]) -> list[bytes]:
+        return [self.read(k) for k in keys]
 
     def remove(self, keys: list[str]) -> None:
         for key in keys:

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 import pyarrow as pa
@@ -124,17 +125,22 @@ class ShardParts:
 
     # --- parts -------------------------------------------------------------------------------
     def committed_tables(self, columns: list[str] | None = None) -> list[pa.Table]:
-        """The rows of every valid commit, each part checked against its commit's size."""
-        tables = []
-        for name in self.valid_commits():
-            commit = json.loads(self.store.read(self._commit_key(name)))
-            key = self._part_key(name)
-            if self.store.size(key) != commit["bytes"]:
-                raise ShardFailed(f"{self.store.url_of(key)}: {self.store.size(key):,} bytes where its commit "
-                                  f"says {commit['bytes']:,}; the store changed a committed part")
-            fs, root = self.store.arrow()
-            tables.append(pq.read_table(f"{root}/{key}", filesystem=fs, columns=columns))
-        return tables
+        """The rows of every valid commit, each part checked against its commit's size: the
+        commits read at once, the parts (``columns`` of them) by several threads."""
+        names = self.valid_commits()
+        commits = [json.loads(raw) for raw in self.store.read_many([self._commit_key(n) for n in names])]
+        sizes = self.store.sizes(f"{META}/parts/{self.name}")
+        for name, commit in zip(names, commits):
+            if sizes.get(f"{name}.parquet") != commit["bytes"]:
+                raise ShardFailed(f"{self.store.url_of(self._part_key(name))}: {sizes.get(f'{name}.parquet')} "
+                                  f"bytes where its commit says {commit['bytes']:,}; the store changed a committed part")
+        fs, root = self.store.arrow()
+
+        def read(name: str) -> pa.Table:
+            return pq.read_table(f"{root}/{self._part_key(name)}", filesystem=fs, columns=columns)
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            return list(pool.map(read, names))
 
     def seal(self, rows: list[dict]) -> None:
         """Write ``rows`` as the attempt's next part and commit it, unless a later attempt claimed
