@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import jsonschema
 import pytest
 
 from regen.cli import build_parser, load_config
-from regen.config import ConfigError, RunConfig
+from regen.config import ConfigError, RunConfig, run_fields
 from regen.dags.params import param_schemas
-from support.paths import ROOT
+from support.paths import BIN, ROOT
 
 
 def test_demo_config_loads_with_paths_relative_to_the_file():
@@ -27,6 +30,8 @@ def test_demo_config_loads_with_paths_relative_to_the_file():
     ("extra_server_args", ["--tp-size", "2; curl evil"], "character no server flag needs"),
     ("api_key", "short", "8 to 256"),
     ("no_such_field", 1, "unknown field"),
+    ("max_token", 100, "unknown field (did you mean 'max_tokens'?)"),
+    ("num_shard", 2, "unknown field (did you mean 'num_shards'?)"),
 ])
 def test_bad_values_are_refused_naming_the_field(field, value, words):
     with pytest.raises(ConfigError) as err:
@@ -109,3 +114,18 @@ def test_a_broken_config_file_never_repeats_a_value_that_may_be_the_key(tmp_path
     with pytest.raises(ConfigError) as err:
         read_config_file(broken)
     assert f"{broken}:2:" in str(err.value) and secret not in str(err.value)
+
+
+def test_every_field_has_a_description_the_trigger_form_shows():
+    assert [name for name, field in run_fields().items() if not (field.info.description or "").strip()] == []
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    """`regen config | head -1`: the pipe is closed before regen writes (no traceback, SIGPIPE's status)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([str(BIN / "regen"), "config"], stdout=write, stderr=subprocess.PIPE, timeout=120)
+    finally:
+        os.close(write)
+    assert done.returncode == 141 and b"Traceback" not in done.stderr, done.stderr.decode()[-2000:]

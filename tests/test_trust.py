@@ -45,6 +45,7 @@ def refusals(deployment, conf, **others) -> str:
     ("engine_python", "/tmp/payload.sh"), ("remote_regen", "/tmp/payload.sh"), ("ssh_conn_id", "other_team_node"),
     ("host", "0.0.0.0"), ("staging_dir", "/home/someone"), ("queue", "another-node"), ("output_root", "/"),
     ("nodes", [{"name": "a", "ssh_conn_id": "other_team_node"}]), ("approvers", ["the-trigger-user"]),
+    ("work_dir", "/home/someone"), ("output_conn_id", "another_teams_bucket"),
 ])
 def test_a_conf_that_changes_a_deployment_field_is_refused_naming_it_and_where_it_is_set(deployment, field, value):
     message = refusals(deployment, {field: value})
@@ -59,6 +60,20 @@ def test_a_conf_that_repeats_or_leaves_out_the_deployment_fields_runs_with_the_d
     assert cfg.servers.api_key == deployment.servers.api_key  # the key comes from the deployment only
     stale = triggered_run_config(deployment, WHERE, {"num_shards": 5})
     assert all(stale.flat_value(n) == deployment.flat_value(n) for n in DEPLOYMENT_FIELDS)
+
+
+def test_a_misspelt_field_in_a_conf_is_refused_with_the_field_it_resembles(deployment):
+    with pytest.raises(ConfigError, match=r"'max_token' \(did you mean 'max_tokens'\?\)"):
+        triggered_run_config(deployment, WHERE, {"max_token": 100})
+
+
+def test_a_bucket_output_is_a_prefix_under_the_deployments_bucket_output(make_config):
+    deployment = make_config(output="s3://team-bucket/regen/chat")
+    assert triggered_run_config(deployment, WHERE, {"output": "s3://team-bucket/regen/run-2"}).output == \
+        "s3://team-bucket/regen/run-2"
+    for elsewhere in ("s3://other-bucket/regen/run-2", "s3://team-bucket/regen", "/data/regen/run-2"):
+        assert "a triggered run writes in a folder under the deployment's output root" in refusals(
+            deployment, {"output": elsewhere})
 
 
 def test_the_key_in_a_conf_is_refused_and_never_echoed(deployment):

@@ -392,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     except RegenError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, (ValueError, DataError)) else EXIT_FAILED
+    except BrokenPipeError:  # `regen progress | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141  # what a shell reports for SIGPIPE
 
 
 if __name__ == "__main__":

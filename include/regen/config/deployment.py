@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from regen.config.fields import ConfigError
+from regen.config.fields import ConfigError, did_you_mean
 from regen.config.run import RunConfig, run_fields
 from regen.objectstore import is_store_url
 
@@ -85,7 +85,8 @@ def triggered_run_config(deployment: RunConfig, where: str, conf: Mapping[str, A
                         f"for each run); a run's conf is stored and shown with the run and may not hold it")
     unknown = sorted(set(conf) - set(run_fields()))
     if unknown:
-        raise ConfigError(f"run conf: unknown field(s) {unknown}; the fields are those of the trigger form")
+        raise ConfigError("run conf: unknown field(s) " + ", ".join(f"{name!r}{did_you_mean(name, run_fields())}"
+                          for name in unknown) + "; the fields are those of the trigger form")
     base = deployment.model_dump(mode="json")
     requested = RunConfig.from_mapping({**base, **{k: v for k, v in conf.items() if k != "api_key"}},
                                        source="run conf")

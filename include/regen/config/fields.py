@@ -105,6 +105,14 @@ def flat_location(model: type[BaseModel], loc: tuple) -> str:
     return ".".join(parts) or "(config)"
 
 
+def did_you_mean(name: str, known) -> str:
+    """`` (did you mean 'max_tokens'?)`` for a name close to a known one; empty otherwise."""
+    import difflib
+
+    close = difflib.get_close_matches(name.split(".")[-1], list(known), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def format_validation_error(model: type[BaseModel], exc: ValidationError, source: str) -> str:
     """One line per bad field, named as the user wrote it, with the value it got; never a
     secret's value (a task log, an alert and an import error all repeat this message): not for a
@@ -115,7 +123,7 @@ def format_validation_error(model: type[BaseModel], exc: ValidationError, source
     lines = []
     for err in exc.errors():
         field = flat_location(model, err["loc"])
-        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        msg = "unknown field" + did_you_mean(field, flat_fields(model)) if err["type"] == "extra_forbidden" else err["msg"]
         # An unknown field may be the key under a misspelt name: its value is never shown either.
         hidden = field.split(".")[0] in secrets or not err["loc"] or err["type"] == "extra_forbidden"
         shown = "" if hidden else f" (got {err.get('input')!r})"

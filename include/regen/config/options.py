@@ -125,13 +125,28 @@ class EngineOptions(Options):
     speculative_algorithm: SpeculativeAlgorithm | None = Field(
         None, title="Speculative algorithm",
         description="SGLang `--speculative-algorithm` (NEXTN is an alias of EAGLE, used for MTP).")
-    speculative_num_steps: int | None = Field(None, ge=1, title="Speculative steps")
-    speculative_eagle_topk: int | None = Field(None, ge=1, title="Speculative top-k")
-    speculative_num_draft_tokens: int | None = Field(None, ge=1, title="Speculative draft tokens")
-    mem_fraction_static: float | None = Field(None, gt=0, lt=1, title="Static memory fraction")
+    speculative_num_steps: int | None = Field(
+        None, ge=1, title="Speculative steps",
+        description="SGLang `--speculative-num-steps`: draft steps per verification (EAGLE/EAGLE3/MTP). Empty: "
+        "SGLang's choice for the model.")
+    speculative_eagle_topk: int | None = Field(
+        None, ge=1, title="Speculative top-k",
+        description="SGLang `--speculative-eagle-topk`: draft branches kept per step (1: a chain). Empty: SGLang's "
+        "choice.")
+    speculative_num_draft_tokens: int | None = Field(
+        None, ge=1, title="Speculative draft tokens",
+        description="SGLang `--speculative-num-draft-tokens`: tokens verified per step (at most steps x topk + 1). "
+        "Empty: SGLang's choice.")
+    mem_fraction_static: float | None = Field(
+        None, gt=0, lt=1, title="Static memory fraction",
+        description="`--mem-fraction-static`: the share of GPU memory for weights and KV cache. Empty: the engine's "
+        "own sizing (regen.servers.capacity reports it).")
     max_running_requests: int | None = Field(
         None, ge=1, title="Max running requests", description="Per server (`--max-running-requests`).")
-    max_mamba_cache_size: int | None = Field(None, ge=1, title="Mamba cache slots")
+    max_mamba_cache_size: int | None = Field(
+        None, ge=1, title="Mamba cache slots",
+        description="`--max-mamba-cache-size` (hybrid Mamba models such as Qwen3.5/3.6): state slots, which bound the"
+        " requests a server runs at once. Empty: SGLang's default.")
     tp_size: int = Field(
         1, ge=1, le=64, title="Tensor parallel size",
         description="GPUs one model copy is split over (SGLang `--tp-size`, vLLM `--tensor-parallel-size`). "
@@ -160,9 +175,15 @@ class SimulatorOptions(Options):
 
     tokens_per_second: float = Field(0.0, ge=0, title="Simulated tokens/s per request",
                                      description="0 answers at once.")
-    ttft_s: float = Field(0.0, ge=0, title="Simulated time to first token (s)")
-    failure_rate: float = Field(0.0, ge=0, le=1, title="Simulated HTTP 500 rate")
-    hang_rate: float = Field(0.0, ge=0, le=1, title="Simulated hang rate")
+    ttft_s: float = Field(
+        0.0, ge=0, title="Simulated time to first token (s)",
+        description="The simulator's time to first token (s), on top of its prefill model.")
+    failure_rate: float = Field(
+        0.0, ge=0, le=1, title="Simulated HTTP 500 rate",
+        description="Fraction of the simulator's answers that are HTTP 500 (a fault for tests; 0 in a real run).")
+    hang_rate: float = Field(
+        0.0, ge=0, le=1, title="Simulated hang rate",
+        description="Fraction of the simulator's requests that never answer (a fault for tests; 0 in a real run).")
     ignore_thinking: bool = Field(
         False, title="Simulate a server without thinking",
         description="The simulator ignores `enable_thinking` and answers like a server "
@@ -179,7 +200,10 @@ class SamplingOptions(Options):
 
     section: ClassVar[str] = "Sampling"
 
-    max_tokens: int = Field(4096, ge=1, title="Max output tokens")
+    max_tokens: int = Field(
+        4096, ge=1, title="Max output tokens",
+        description="Most tokens one answer may take, thinking included (`max_tokens` of each request). A trace cut "
+        "here is truncated: the canary fails past max_truncated_fraction, naming the value to raise.")
     # Qwen3's thinking recipe (its model card) by default; null: not sent, the server applies the
     # model's generation_config.
     temperature: float | None = Field(0.6, ge=0, le=2, title="Temperature",
