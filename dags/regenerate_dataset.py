@@ -1,5 +1,5 @@
 """
-### regenerate_dataset
+### How a regen DAG works
 
 Regenerates a training dataset with the *target* model, thinking traces on, over one inference
 server per GPU. One run = one regeneration:
@@ -180,7 +180,7 @@ def regeneration_dag(run: RunDefinition):
         catchup=False,
         max_active_runs=1,
         params={name: Param(default, **schema) for name, (default, schema) in param_schemas(run.config, run.where).items()},
-        doc_md=__doc__ + (f"\n\nDefaults and schedule from `{run.source}`." if run.source else ""),
+        doc_md=run.doc_md(__doc__),
         tags=["regen", "llm-data"],
         user_defined_filters={"markdown_literal": markdown_literal},
         default_args={"on_failure_callback": [AlertNotifier()], "queue": run.config.queue or QUEUE},

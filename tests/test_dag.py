@@ -68,6 +68,22 @@ def test_dagbag_imports_without_db_connections_or_heavy_modules(configs, make_co
     print(f"parse of the dags folder with {configs} config files: {result['seconds']:.2f} s")
 
 
+def test_each_configured_dag_opens_its_page_with_its_own_name_dataset_and_schedule(make_config, tmp_path, monkeypatch):
+    from airflow.dag_processing.dagbag import DagBag
+
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    for name, schedule in (("chat", "'0 3 * * 6'"), ("agents", "null")):
+        cfg = make_config(output=str(tmp_path / name))
+        (folder / f"{name}.yaml").write_text(cfg.to_yaml() + f"schedule: {schedule}\n")
+    monkeypatch.setenv("REGEN_CONFIG_DIR", str(folder))
+    bag = DagBag(dag_folder=str(ROOT / "dags"))
+    for name, when in (("chat", "on a schedule: `0 3 * * 6`"), ("agents", "when triggered")):
+        doc = bag.dags[f"regenerate_{name}"].doc_md
+        assert doc.startswith(f"### regenerate_{name}\n") and f"into `{tmp_path / name}`, {when}." in doc
+        assert "### How a regen DAG works" not in doc and "`preflight` → `stage_weights`" in doc
+
+
 def test_stages_are_wired_in_order_with_a_teardown():
     dag = load_dag()
     down = {t.task_id: set(t.downstream_task_ids) for t in dag.tasks}

@@ -440,3 +440,16 @@ def test_a_running_shard_logs_its_progress_at_every_interval(sim_servers, tmp_pa
                        tuning=ClientTuning(**{**FAST.__dict__, "progress_interval_s": 0.2}))
     lines = [r.getMessage() for r in caplog.records if "tok/s, ETA" in r.getMessage()]
     assert lines and all("/30 done, 0 failed" in line for line in lines), lines
+
+
+def test_the_audit_of_a_run_with_shards_still_to_come_says_it_is_partial(sim_servers, tmp_path):
+    cfg, records = sim_servers(num_servers=1)
+    prompts, out = subset(tmp_path, 40), tmp_path / "ds"
+    audit = [str(BIN / "regen"), "audit", "--data", str(out), "--tokenizer", cfg.model_path]
+    generate_shard(prompts, out, endpoints(records), 0, 2)
+    first = subprocess.run(audit, capture_output=True, text=True, timeout=300)
+    assert "audit PASS (partial: 1 of 2 shards published; the verdict covers those rows only)" in first.stdout, \
+        first.stdout + first.stderr
+    generate_shard(prompts, out, endpoints(records), 1, 2)
+    whole = subprocess.run(audit, capture_output=True, text=True, timeout=300)
+    assert "audit PASS: " in whole.stdout and "partial" not in whole.stdout

@@ -55,6 +55,9 @@ class Provenance:
                 self.settings_counts.update(parquet.read(columns=["settings_hash"])["settings_hash"].to_pylist())
         common = self.settings_counts.most_common(1)
         self.settings_hash = doc.get("settings_hash") or (common[0][0] if common else None)
+        # How much of the run the data is: the run's shard count (its manifest) and its shard files.
+        self.shards_published = len(layout.shard_files())
+        self.run_shards = doc.get("num_shards")
         self._slices: dict[int, dict[str, str]] = {}
 
     def _expected(self, prompt_id: str) -> str | None:
@@ -75,7 +78,8 @@ class Provenance:
 
     def to_json(self) -> dict:
         return {"settings_hash": self.settings_hash, "rows_per_settings_hash": dict(self.settings_counts),
-                "checked_against_manifest": bool(self.num_shards)}
+                "checked_against_manifest": bool(self.num_shards),
+                "shards_published": self.shards_published, "num_shards": self.run_shards}
 
 
 def resolved(thresholds: AuditThresholds, tokenizer) -> AuditThresholds:

@@ -244,7 +244,7 @@ class AuditReport:
         loss, comp = _stats(s.loss_tokens), _stats(s.completion_tokens)
         top = sorted(((n, f) for f, n in s.counts.items() if n and f != "degenerate"), reverse=True)
         return [
-            f"audit {self.verdict()}: {s.counts['degenerate']:,} of {s.audited:,} samples degenerate "
+            f"audit {self.verdict()}{self.partial_note()}: {s.counts['degenerate']:,} of {s.audited:,} samples degenerate "
             f"(degenerate fraction {s.degenerate_fraction:.4f}, limit "
             f"{self.thresholds.max_degenerate_fraction:.4f})",
             f"loss tokens as {self.thresholds.train_template} trains on them ({self.thresholds.train_layout} layout)"
@@ -264,6 +264,14 @@ class AuditReport:
             *([self.agentic_line()] if s.agentic["rows"] else []),
             f"report: {self.files.report_html}",
         ]
+
+    def partial_note(self) -> str:
+        """`` (partial: 1 of 4 shards)`` when the run's data is not all there yet: the verdict is
+        about the shards published so far."""
+        published, shards = self.provenance.get("shards_published"), self.provenance.get("num_shards")
+        if not shards or published is None or published >= shards:
+            return ""
+        return f" (partial: {published} of {shards} shards published; the verdict covers those rows only)"
 
     def on_policy_line(self) -> str:
         o, fraction = self.summary.on_policy, self.summary.on_policy_fraction or 0.0

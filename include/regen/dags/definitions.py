@@ -35,6 +35,18 @@ class RunDefinition:
         """Where this DAG's deployment fields are set, as messages and the trigger form name it."""
         return str(self.source) if self.source else "regen's built-in defaults, no REGEN_CONFIG_DIR"
 
+    def doc_md(self, how_it_works: str) -> str:
+        """The DAG's own page: which dataset it makes from what, with which model and when, then
+        how every regen DAG works (``how_it_works``, the DAG file's text without its title)."""
+        c = self.config
+        nodes = f" over the nodes {', '.join(s.name for s in c.nodes)}" if c.nodes else ""
+        when = ("on a schedule: " + (", ".join(f"`{s}`" for s in self.schedule) if isinstance(self.schedule, list)
+                                     else f"`{self.schedule}`")) if self.schedule else "when triggered"
+        body = how_it_works.strip()
+        body = body.split("\n", 1)[1].lstrip() if body.startswith("###") else body
+        return (f"### {self.dag_id}\n\nRegenerates `{c.prompts}` with the model `{c.model_path}` ({c.engine}"
+                f"{nodes}) into `{c.output}`, {when}. Defaults and deployment fields from {self.where}.\n\n{body}")
+
     @property
     def dataset_name(self) -> str | None:
         """The Asset a finished run announces (configured DAGs); None: the shared alias only."""
