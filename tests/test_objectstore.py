@@ -91,6 +91,36 @@ def test_a_zombie_attempt_cannot_commit_and_the_dataset_holds_each_id_once(store
     assert store.names("_regen/parts/shard-00000-of-00001") == []  # published: the parts went
 
 
+def test_a_part_whose_writer_died_before_its_commit_is_never_read_and_goes_at_publish(store, monkeypatch):
+    """The kill between a part and its commit, made certain (the SIGKILL test below only may hit it)."""
+    ids = [f"p{i:03d}" for i in range(12)]
+    dead = ShardParts(store, "shard-00000-of-00001")
+    dead.claim("attempt 1")
+    dead.seal(_rows(ids[:6], content="committed"))
+    real_create = store.create
+
+    def die_at_the_commit(key, data):
+        if "/commits/" in key:
+            raise SystemExit("killed")
+        return real_create(key, data)
+
+    monkeypatch.setattr(store, "create", die_at_the_commit)
+    with pytest.raises(SystemExit):
+        dead.seal(_rows(ids[6:], content="orphan"))
+    monkeypatch.setattr(store, "create", real_create)
+    assert len(store.names("_regen/parts/shard-00000-of-00001")) == 2
+    assert len(store.names("_regen/commits/shard-00000-of-00001")) == 1
+    retry = ShardParts(store, "shard-00000-of-00001")
+    retry.claim("attempt 2")
+    assert sum(t.num_rows for t in retry.committed_tables()) == 6  # the orphan is not read
+    retry.seal(_rows(ids[6:], content="redone"))
+    assert retry.publish({i: f"h-{i}" for i in ids}, "s") == 12
+    fs, root = store.arrow()
+    df = pd.read_parquet([f"{root}/{f}" for f in published_files(store)], filesystem=fs)
+    assert sorted(df["id"]) == ids and "orphan" not in set(df["content"])
+    assert store.names("_regen/parts/shard-00000-of-00001") == []
+
+
 def test_an_output_on_a_fuse_mount_of_a_bucket_is_refused_at_preflight_with_the_url_to_use(
         make_config, tmp_path, monkeypatch):
     """No FUSE here to mount: the kernel's mount table is replaced by one that has a bucket mount
@@ -190,7 +220,8 @@ def test_sigkills_of_a_shard_writing_to_a_bucket_lose_and_duplicate_nothing(s3_s
     # Requests beyond one per prompt: what each kill had in flight, and a lost node's unsealed part.
     redone = sim_requests_total(records[0].url) - len(df)
     assert redone <= kills * concurrency + lost_nodes * part_rows, (redone, kills, lost_nodes)
-    assert orphans >= 1  # some kills fell between a part and its commit
+    # Kills between a part and its commit are left to chance here (a test above makes one certain).
+    print(f"{kills} kills, {lost_nodes} work folders lost, {orphans} parts found without their commit")
     assert not s3_server.keys(bucket, "regen/ds/_regen/parts/")  # published: no part is left behind
 
     report = tmp_path / "report"

@@ -182,14 +182,42 @@ def test_a_warning_printed_after_the_result_does_not_break_it(node, tmp_path, ma
     assert err.value.problems == [f"prompts {tmp_path / 'none.jsonl'}: file not found"]
 
 
-def test_a_wrong_host_key_is_refused(sshd, monkeypatch, make_config):
+@pytest.mark.parametrize("fault, says", [
+    ("wrong host key", r"the node's host key is not the one the connection names \(ssh-ed25519 "),
+    ("malformed host key", r"extras \(host_key, key_file, private_key\) cannot be used: "),
+    ("wrong client key", r"authentication failed .*check the connection's login and key"),
+    ("closed port", r"cannot connect: .*"),
+    ("unknown connection", r"no such Airflow connection \(add it: airflow connections add"),
+])
+def test_each_way_ssh_fails_is_one_line_naming_the_connection_and_what_to_fix(
+        fault, says, sshd, monkeypatch, make_config):
+    """Nothing runs on the node (the host key is checked before anything is sent), and the task log
+    shows one line, not a paramiko traceback."""
+    from regen.errors import RemoteError
+
+    conn = json.loads(connection(sshd))
     other = sshd["home"] / "other_key"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
-    wrong = " ".join((other.with_suffix(".pub")).read_text().split()[:2])
-    monkeypatch.setenv("AIRFLOW_CONN_GPU_NODE", connection(sshd, host_key=wrong))
+    if not other.exists():
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    if fault == "wrong host key":
+        conn["extra"]["host_key"] = " ".join(other.with_suffix(".pub").read_text().split()[:2])
+    elif fault == "malformed host key":
+        conn["extra"]["host_key"] = "ssh-ed25519 not-base64!"
+    elif fault == "wrong client key":
+        conn["extra"]["key_file"] = str(other)
+    elif fault == "closed port":
+        conn["port"] = free_port_base(1)
+    if fault != "unknown connection":
+        monkeypatch.setenv("AIRFLOW_CONN_GPU_NODE", json.dumps(conn))
     cfg = make_config(ssh_conn_id="gpu_node", remote_regen=str(BIN / "regen"))
-    with pytest.raises(Exception, match="(?i)host key|not found in known_hosts|BadHostKey"):
+    with pytest.raises(RemoteError) as error:
         run("stage_weights", cfg)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("ssh_conn_id gpu_node"), message
+    assert re.search(says, message), message
+    if fault not in ("unknown connection", "malformed host key"):  # those fail before the hook knows the node
+        assert f"root@127.0.0.1:{conn['port']}" in message
+    assert error.value.__cause__ is None and error.value.__suppress_context__
     assert not Path(cfg.staging_dir).exists()
 
 

@@ -33,11 +33,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING
 
 from regen.objectstore import (LocalStore, ObjectStore, is_store_url, local_path, open_store, published_files,
                                slug)
+
+if TYPE_CHECKING:
+    import pyarrow.parquet as pq
 
 _SHARD_FILE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.parquet$")
 
@@ -165,6 +167,8 @@ class RunLayout:
 
     def parquet(self, path: Path | str) -> pq.ParquetFile:
         """One of :meth:`data_files`, opened where it is."""
+        import pyarrow.parquet as pq  # not at import: the DAG file imports the config, which imports this
+
         if self.dataset:
             return pq.ParquetFile(path, filesystem=self.store().arrow()[0])
         return pq.ParquetFile(path)

@@ -169,7 +169,7 @@ class ShardParts:
         done = self.published()
         if done is not None:
             return done["rows"]
-        table = _last_ofof_this_run(self.committed_tables(), hashes, settings_hash)
+        table = _last_of_this_run(self.committed_tables(), hashes, settings_hash)
         ids = table.column("id").to_pylist()
         if set(ids) != set(hashes):
             missing = sorted(set(hashes) - set(ids))
@@ -197,7 +197,7 @@ class ShardParts:
             self.store.remove([f"{META}/parts/{self.name}/{n}" for n in names])
 
 
-def _last_ofof_this_run(tables: list[pa.Table], hashes: dict[str, str], settings_hash: str) -> pa.Table:
+def _last_of_this_run(tables: list[pa.Table], hashes: dict[str, str], settings_hash: str) -> pa.Table:
     """One row per id of this run (a later commit's row wins), in commit order."""
     if not tables:
         return ROW_SCHEMA.empty_table()

@@ -18,6 +18,7 @@ provider does (the connection's ``host_key`` extra, or known_hosts).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
@@ -89,20 +90,50 @@ def upload_private(client, content: str) -> str:
     return path
 
 
+@contextlib.contextmanager
+def connected(conn_id: str):
+    """An SSH client of the connection ``conn_id``, host key verified as the SSH provider does;
+    each way it can fail is one RemoteError line that says what to fix (never a traceback)."""
+    import paramiko
+    from airflow.providers.ssh.hooks.ssh import SSHHook
+
+    try:
+        # A node that does not answer fails the connection in seconds (the command itself may run
+        # for hours: generation); a hung node's banner is waited for at most SSHHook's 30 s.
+        hook = SSHHook(ssh_conn_id=conn_id, cmd_timeout=None, conn_timeout=CONNECT_TIMEOUT_S)
+    except Exception as exc:  # the provider's own: an unknown connection, a malformed extra
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if type(exc).__name__ == "AirflowNotFoundException":
+            raise RemoteError(f"ssh_conn_id {conn_id}: no such Airflow connection (add it: airflow connections "
+                              f"add {conn_id} --conn-type ssh ...)") from None
+        raise RemoteError(f"ssh_conn_id {conn_id}: the connection's fields or extras (host_key, key_file, "
+                          f"private_key) cannot be used: {text}") from None
+    where = f"{conn_id} ({hook.username}@{hook.remote_host}:{hook.port or 22})"
+    try:
+        client = hook.get_conn()
+    except paramiko.BadHostKeyException as exc:
+        raise RemoteError(f"ssh_conn_id {where}: the node's host key is not the one the connection names "
+                          f"({exc.key.get_name()} {exc.key.get_base64()[:16]}...): a changed node or another machine "
+                          f"answering; update the connection's host_key only once you know why") from None
+    except paramiko.AuthenticationException as exc:
+        raise RemoteError(f"ssh_conn_id {where}: authentication failed ({exc}); check the connection's login "
+                          f"and key") from None
+    except (paramiko.SSHException, OSError) as exc:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise RemoteError(f"ssh_conn_id {where}: cannot connect: {text}") from None
+    with client:
+        yield client
+
+
 def run_command(conn_id: str, argv: list[str], marker: str, keep_lines: int = 500,
                 upload: str | None = None, deadline_s: float | None = None) -> RemoteOutput:
     """``argv`` on the node; with ``upload``, that text first goes to a private file there, and
     ``{upload}`` in argv is replaced by its path. A command still running after ``deadline_s``
     (a hung node: the connection is up, nothing comes back) is given up: RemoteError; closing
     its session hangs up on the command, if the node still listens."""
-    from airflow.providers.ssh.hooks.ssh import SSHHook
-
-    # A node that does not answer fails the connection in seconds (the command itself may run
-    # for hours: generation); a hung node's banner is waited for at most SSHHook's 30 s.
-    hook = SSHHook(ssh_conn_id=conn_id, cmd_timeout=None, conn_timeout=CONNECT_TIMEOUT_S)
     lines: list[str] = []
     result = None
-    with hook.get_conn() as client:
+    with connected(conn_id) as client:
         if upload is not None:
             path = upload_private(client, upload)
             argv = [path if arg == "{upload}" else arg for arg in argv]
