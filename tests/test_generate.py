@@ -190,6 +190,33 @@ def test_sigkill_at_half_then_rerun_gives_every_id_once_and_resends_nothing(sim_
     assert sorted(df["id"]) == sorted(read_ids(PROMPTS))
 
 
+def test_a_trial_on_the_first_n_prompts_writes_its_own_folder_and_resumes(sim_servers, tmp_path):
+    """`--limit N`: the first N prompts the file can send, in OUTPUT/trials/first-N; the full dataset's
+    folder gets nothing, and a rerun of the trial sends nothing."""
+    from support.data import write_prompts
+
+    cfg, records = sim_servers(num_servers=1)
+    prompts = tmp_path / "prompts.jsonl"
+    write_prompts(prompts, 30)
+    with prompts.open("r+") as fh:  # a repeated id early on: it does not count as one of the N
+        lines = fh.readlines()
+        lines.insert(2, lines[0])
+        fh.seek(0)
+        fh.writelines(lines)
+    out = tmp_path / "ds"
+    argv = [str(BIN / "regen"), "generate", "--prompts", str(prompts), "--output", str(out), "--limit", "7",
+            "--endpoints", records[0].url, "--api-key", records[0].api_key, "--num-shards", "2"]
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    df = pd.read_parquet(out / "trials" / "first-7" / "data")
+    assert sorted(df["id"]) == sorted(f"p{i}" for i in range(7)) and df["id"].is_unique
+    assert not (out / "data").exists()
+    sent = sim_requests_total(records[0].url)
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert sim_requests_total(records[0].url) == sent
+
+
 def test_a_full_disk_fails_the_shard_clearly_and_leaves_data_clean(sim_servers, tmp_path):
     mount = tmp_path / "full"
     mount.mkdir()

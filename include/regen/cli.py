@@ -50,9 +50,11 @@ def _add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (
         elif name == "nodes":
             group.add_argument(flag, dest=name, default=None, metavar="JSON",
                                help=f"{help_text} (a JSON list of objects)")
+        elif name == "extra_server_args":
+            group.add_argument(flag, dest=name, default=None, metavar="'--FLAG VALUE ...'",
+                               help=f"{help_text} (one string, split as a shell would, never run by one)")
         elif base is list:
-            group.add_argument(flag, dest=name, default=None, metavar="A,B",
-                               help=f"{help_text} (comma-separated; server args: one string)")
+            group.add_argument(flag, dest=name, default=None, metavar="A,B", help=f"{help_text} (comma-separated)")
         else:
             kind = base if base in (int, float) else str
             nullable = type(None) in typing.get_args(field.annotation) and field.default is not None

@@ -117,7 +117,8 @@ class PromptIndexWriter:
             line = item.line
         else:
             self.first_line[item.id] = item.line
-            self.add(item)
+            if self.cfg.generation.limit is None or len(self.columns["id"]) < self.cfg.generation.limit:
+                self.add(item)  # a trial's index holds its first N; the rest of the file is still checked
             return None
         self.unreadable_count += 1
         if len(self.unreadable) < self.UNREADABLE_KEPT:

@@ -47,9 +47,10 @@ class ServerOptions(Options):
 
     gpus: list[int] | None = Field(
         None, title="GPUs",
-        description="One server each, by position among the GPUs this worker was given (its "
-        "CUDA_VISIBLE_DEVICES, indices or UUIDs; without a mask, nvidia-smi's indices). Empty: every "
-        "GPU the worker was given, or `num_servers` servers where there is none.")
+        description="The GPUs to serve on, by position among those this worker was given (its "
+        "CUDA_VISIBLE_DEVICES, indices or UUIDs; without a mask, nvidia-smi's indices); each server takes "
+        "tp_size x dp_size consecutive entries. Empty: every GPU the worker was given, or `num_servers` "
+        "servers where there is none.")
     num_servers: int = Field(
         2, ge=1, le=64, title="Servers without GPUs",
         description="How many servers to start when no GPU list applies (sim, vllm-cpu).")
@@ -259,6 +260,11 @@ class GenerationOptions(Options):
                     "leading assistant, a late system message, empty content, a tool result that answers no call) are left "
                     "out before any request and listed in work/skipped.jsonl. Off: preflight fails on "
                     "them, counted per rule.")
+    limit: int | None = Field(
+        None, ge=1, title="Trial: first N prompts",
+        description="A trial on the first N prompts of the file (the first N it can send), in a folder of "
+        "its own, `OUTPUT/trials/first-N`, so it never mixes with the full dataset; rerun it to resume. "
+        "Preflight still reads the whole file. Empty: every prompt.")
     num_shards: int | None = Field(
         None, ge=1, le=4096, title="Shards",
         description="Generation is split into this many Airflow tasks, by a stable hash of the id. "

@@ -267,9 +267,16 @@ class RunConfig(BaseModel):
         return RunConfig.model_validate({**data, "nodes": [s.model_dump() for s in self.nodes]})
 
     @property
+    def dataset_output(self) -> str:
+        """Where this run's dataset goes: ``output``, or a trial's own folder (``limit``) in it."""
+        if self.generation.limit is None:
+            return self.output
+        return f"{self.output.rstrip('/')}/trials/first-{self.generation.limit}"
+
+    @property
     def layout(self) -> RunLayout:
         """The output's paths, with this node's servers folder when the run lists nodes."""
-        return RunLayout.for_output(self.output, self.node, self.work_dir, self.output_conn_id)
+        return RunLayout.for_output(self.dataset_output, self.node, self.work_dir, self.output_conn_id)
 
     def sampling_settings(self) -> dict[str, Any]:
         """What is asked of the model for every request: part of every row's settings hash."""

@@ -117,7 +117,7 @@ def create_app():
     def report(dag_id: str, run_id: str):
         cfg = config_of(dag_id, run_id)
         if cfg.ssh_conn_id:
-            raise HTTPException(404, f"the report is on {cfg.ssh_conn_id}: {cfg.output}/audit/report.html")
+            raise HTTPException(404, f"the report is on {cfg.ssh_conn_id}: {cfg.dataset_output}/audit/report.html")
         try:
             text = read_report(cfg)
         except FileNotFoundError:

@@ -71,11 +71,11 @@ def output_bytes_per_row(prompt_chars: int, max_tokens: int) -> float:
 def check_store(cfg: RunConfig, report: PreflightReport) -> None:
     """An object-store output answers a create-only write here (then the probe goes); a local
     output is not on a FUSE mount of a bucket, which has none of rename, append and flock."""
-    if not is_store_url(cfg.output):
-        mount = bucket_mount(local_path(cfg.output))
+    if not is_store_url(cfg.dataset_output):
+        mount = bucket_mount(local_path(cfg.dataset_output))
         if mount:
             report.problems.append(
-                f"output {cfg.output}: on a {mount} mount, which keeps none of regen's guarantees (no atomic "
+                f"output {cfg.dataset_output}: on a {mount} mount, which keeps none of regen's guarantees (no atomic "
                 f"rename, no append, no flock across nodes); give the bucket's URL instead (output: "
                 f"s3://BUCKET/PREFIX or gs://BUCKET/PREFIX): regen then writes it with create-only writes")
         return
@@ -92,7 +92,7 @@ def check_store(cfg: RunConfig, report: PreflightReport) -> None:
             raise OSError("a create-only write was refused")
         store.remove([probe])
     except Exception as exc:  # the store's client raises its own types: each becomes one line
-        report.problems.append(f"output {cfg.output}: cannot write there from {node_name()} "
+        report.problems.append(f"output {cfg.dataset_output}: cannot write there from {node_name()} "
                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'})")
 
 
@@ -102,7 +102,7 @@ def check_space(cfg: RunConfig, report: PreflightReport) -> None:
     probe_dir = output
     while not probe_dir.exists() and probe_dir != probe_dir.parent:
         probe_dir = probe_dir.parent
-    where = f"work_dir of {cfg.output}" if is_store_url(cfg.output) else "output"
+    where = f"work_dir of {cfg.dataset_output}" if is_store_url(cfg.dataset_output) else "output"
     if not os.access(probe_dir, os.W_OK):
         report.problems.append(f"{where} {output}: not writable ({probe_dir} denies writing)")
     else:
@@ -136,7 +136,7 @@ def check_output(cfg: RunConfig, report: PreflightReport) -> None:
     other = sorted(counts - {cfg.num_shards})
     if other:
         report.problems.append(
-            f"output {cfg.output}: data/ holds shards of a {'/'.join(map(str, other))}-shard run; "
+            f"output {cfg.dataset_output}: data/ holds shards of a {'/'.join(map(str, other))}-shard run; "
             f"use num_shards {other[0]} to resume or add to it, or a new output directory")
 
 
