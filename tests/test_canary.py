@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from regen.canary import CanaryFailed, calls_not_parsed, canary
+from regen.canary import CanaryFailed, calls_not_parsed, canary, run_scope
 from support.data import TOOLS, agentic_messages, write_jsonl
 from support.paths import ROOT
 
@@ -18,9 +18,27 @@ def test_a_healthy_canary_passes_and_estimates_the_run(sim_servers):
     assert estimate["prompts"] == 280
     assert estimate["text"].startswith("280 prompts, about ")
     assert "tok/s" in estimate["text"]
+    assert estimate["device_unit"] == "server-hours" and estimate["devices"] == 2  # the simulator has no GPU
+    assert estimate["text"].endswith(f"; 2 servers: {estimate['device_hours']:,.1f} server-hours")
+    assert estimate["device_hours"] == pytest.approx(estimate["eta_s"] / 3600 * 2, abs=0.01)
     progress = json.loads((Path(cfg.output) / "progress.json").read_text())
     assert progress["canary"]["passed"] is True
     assert progress["canary"]["estimate"]["tokens_per_sample"] > 40
+
+
+def test_the_estimate_of_a_resumed_run_or_a_trial_is_for_what_is_left_to_do(sim_servers, tmp_path):
+    """Half the shards written: the estimate before approval counts the rows still to come, says
+    what share is done, and is about half the fresh run's time; a trial's is for its N prompts."""
+    from regen.generate import ShardRun
+
+    cfg, records = sim_servers(num_servers=2, sim_tokens_per_second=500, num_shards=2)
+    fresh = canary(cfg).estimate
+    done = ShardRun(cfg, [(r.url, r.api_key) for r in records], 0, "m").run().done
+    resumed = canary(cfg).estimate
+    assert resumed["done"] == done and resumed["prompts_total"] == 280 and resumed["prompts"] == 280 - done
+    assert resumed["text"].startswith(f"{280 - done:,} of 280 prompts to go ({done / 280:.0%} done), about ")
+    assert 0.3 < resumed["eta_s"] / fresh["eta_s"] < 0.7, (resumed, fresh)
+    assert run_scope(cfg.model_copy(update={"limit": 40}), 280) == (40, 0)  # a trial's own folder: none done
 
 
 def test_answers_cut_at_max_tokens_fail_the_canary_with_a_sample(sim_servers):

@@ -330,7 +330,8 @@ def test_a_person_approves_or_rejects_the_run_after_the_canary(airflow, make_con
         wait_until(lambda: any("Received executor event" in line and "task_id='approve'" in line and run_id in line
                                for line in log.read_text(errors="replace").splitlines()), 60, "the pause reported")
         detail = api.get(path).json()
-        assert "canary" in detail["body"] and "tok/s" in detail["body"]  # the estimate, and examples
+        # the estimate with its cost (the simulator has no GPU: server-hours), and examples
+        assert "canary" in detail["body"] and "tok/s" in detail["body"] and "server-hours" in detail["body"]
         assert set(detail["options"]) == {"Approve", "Reject"}
         assert not any(k[0] == "generate" and v for k, v in shard_states(api, run_id).items())  # nothing started
         if pending_for_s:  # a person slower than idle_shutdown_s: the scenario is time passing

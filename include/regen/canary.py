@@ -114,6 +114,48 @@ def estimate_run(alone: list[dict], together: list[dict], total_prompts: int, se
             "text": f"{total_prompts:,} prompts, about {format_duration(seconds)} at {rate:,.0f} tok/s"}
 
 
+def run_scope(cfg: RunConfig, file_total: int) -> tuple[int, int]:
+    """The run's prompts (its index, once preflight wrote it: a trial's N, duplicates out) and the
+    rows its shards have already written (a resumed or cleared run)."""
+    from regen.files import read_json
+    from regen.manifest import Manifest
+
+    layout = cfg.layout
+    count = ((Manifest(layout).read().get("prompts") or {}).get("count")
+             if layout.prompt_index.exists() else None)
+    done = (read_json(layout.progress_file) or {}).get("done", 0)
+    total = count if count is not None else min(file_total, cfg.generation.limit or file_total)
+    return total, min(done, total)
+
+
+def run_cost(cfg: RunConfig, estimate: dict, total: int, done: int, servers: int) -> dict:
+    """What the run will cost before it is approved: hours and GPU-hours (server-hours on a fleet
+    without GPUs) for the rows still to come, and the share already done."""
+    from regen.servers.gpus import GpuLayoutError, gpus_per_server, server_devices
+
+    if not estimate:
+        return {}
+    try:
+        on_gpus = cfg.engine != "sim" and any(server_devices(cfg))
+    except GpuLayoutError:
+        on_gpus = cfg.engine == "sglang"
+    units = servers * gpus_per_server(cfg) if on_gpus else servers
+    hours = estimate["eta_s"] / 3600 if estimate.get("eta_s") else None
+    unit = "GPU-hours" if on_gpus else "server-hours"
+    left = total - done
+    if not left:
+        return {"prompts_total": total, "done": done, "done_fraction": 1.0, "hours": 0.0, "devices": units,
+                "device_unit": unit, "device_hours": 0.0, "text": f"all {total:,} prompts already done"}
+    scope = f"{left:,} prompts" if not done else f"{left:,} of {total:,} prompts to go ({done / total:.0%} done)"
+    cost = (f"; {units} {'GPU' if on_gpus else 'server'}{'s' if units != 1 else ''}: {hours * units:,.1f} {unit}"
+            if hours is not None else "")
+    return {"prompts_total": total, "done": done, "done_fraction": round(done / total, 4) if total else 0.0,
+            "hours": round(hours, 3) if hours is not None else None, "devices": units, "device_unit": unit,
+            "device_hours": round(hours * units, 2) if hours is not None else None,
+            "text": f"{scope}, about {format_duration(estimate.get('eta_s'))} at "
+                    f"{estimate['tokens_per_s']:,.0f} tok/s{cost}"}
+
+
 def _tail(k: int, n: int, p: float) -> float:
     """P(at least k of n), each with probability p."""
     return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1))
@@ -206,7 +248,9 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
             f"model called other tools than the recorded ones, so no recorded result could be spliced and the run "
             f"would keep one step of each (max_divergence_fraction {cfg.audit.max_divergence_fraction:.0%} would not "
             f"hold); check the model, its tools and tool_call_parser; e.g. {json.dumps(sample)}")
-    result.estimate = estimate_run(alone, together, total, len(endpoints), slots, cfg.generation.queue_margin)
+    total, done = run_scope(cfg, total)
+    result.estimate = estimate_run(alone, together, total - done, len(endpoints), slots, cfg.generation.queue_margin)
+    result.estimate.update(run_cost(cfg, result.estimate, total, done, len(endpoints)))
     check("off_policy", f"samples are not token for token what the engine was served and generated "
           f"(min_on_policy_fraction {thresholds.min_on_policy_fraction:.0%} would not hold; why: on_policy "
           f"{summary.on_policy['reasons']})", limit=1 - thresholds.min_on_policy_fraction)
