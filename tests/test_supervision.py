@@ -21,10 +21,10 @@ from regen.layout import RunLayout
 from regen.pipeline import run
 from regen.servers.lifecycle import launch_servers, stop_records
 from regen.servers.records import read_state
-from support.airflow import trigger_run, wait_run
+from support.airflow import fault_config, trigger_run, wait_run
 from support.data import read_ids, write_prompts
 from support.engines import sim_requests_total
-from support.paths import BIN, ROOT
+from support.paths import BIN
 from support.processes import processes_with_args, wait_until
 
 SGLANG_MAMBA = ["--max-running-requests", "64", "--sim-effective-max-running-requests", "8"]
@@ -245,20 +245,6 @@ def test_a_shard_that_finds_no_servers_brings_them_up_itself(make_config):
 
 
 # --- under a real scheduler: every Airflow retry path -----------------------------------------
-
-def fault_config(make_config, tmp_path, name):
-    """A run whose shards fail for good while the fault file exists (the canary's prompts are
-    spared): 280 demo prompts plus 12 that the simulator answers with HTTP 500."""
-    prompts = tmp_path / f"{name}.jsonl"
-    extra = [json.dumps({"id": f"fault-{i}", "prompt": f"[sim-fault] question {i}?"}) for i in range(12)]
-    prompts.write_text((ROOT / "demo" / "prompts.jsonl").read_text() + "\n".join(extra) + "\n")
-    fault = tmp_path / f"{name}.fault"
-    fault.touch()
-    cfg = make_config(prompts=str(prompts), output=str(tmp_path / name), num_shards=3, num_servers=1,
-                      max_attempts=2, max_error_fraction=0.0, sim_tokens_per_second=3000,
-                      extra_server_args=["--sim-fail-while", str(fault)])
-    return cfg, fault
-
 
 def shard_states(api, run_id):
     tis = api.get(f"/dags/regenerate_dataset/dagRuns/{run_id}/taskInstances", params={"limit": 100}).json()

@@ -1,8 +1,8 @@
 """The run page in a real Airflow: `airflow standalone` on loopback, a run triggered through the
 REST API, the page checked in headless Chromium (Debian's), and refused without a token.
 
-Costs about two minutes (standalone start-up, two runs). Saves screenshots to
-test-artifacts/run-page.png and test-artifacts/samples-viewer.png.
+Costs about three minutes (standalone start-up, four runs). Saves screenshots to test-artifacts/:
+run-page.png, samples-viewer.png, run-page-canary-failed.png and run-page-failed-shards.png.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from support.airflow import trigger_run, wait_run
+from support.airflow import fault_config, trigger_run, wait_run
 from support.paths import ROOT
 from support.processes import wait_until
 
@@ -41,6 +41,44 @@ def test_the_report_route_reads_no_file_through_a_symlink(make_config, tmp_path)
     report.unlink()
     report.write_text("<p>the report</p>")
     assert read_report(cfg) == "<p>the report</p>"
+
+
+def test_the_status_and_regen_summary_say_what_failed_and_what_to_do(sim_servers, make_config, tmp_path):
+    """A canary that catches the seed's disaster, and shards whose prompts the servers fail: each
+    comes first, with its reason, its last error and the next step, in the status the run page
+    reads and in `regen summary`."""
+    import subprocess
+
+    from regen.canary import CanaryFailed, canary
+    from regen.errors import ShardFailed
+    from regen.generate import ShardRun
+    from regen.status import status
+    from support.paths import BIN
+
+    cfg, records = sim_servers(num_servers=1, sim_ignore_thinking=True, output=str(tmp_path / "thinking-off"))
+    with pytest.raises(CanaryFailed):
+        canary(cfg)
+    first = status(cfg).attention[0]
+    assert first["what"].startswith("canary failed: ") and "no shard started" in first["what"]
+    assert any("without reasoning while enable_thinking is on" in d for d in first["details"])
+    config = tmp_path / "thinking-off.yaml"
+    config.write_text(cfg.to_yaml())
+    out = subprocess.run([str(BIN / "regen"), "summary", "--config", str(config)], capture_output=True, text=True)
+    assert out.returncode != 0 and "canary:   FAILED" in out.stdout and "! canary failed" in out.stdout
+    assert "without reasoning" in out.stdout and "    next: fix what each problem names" in out.stdout
+
+    faulty, _ = fault_config(make_config, tmp_path, "faults")
+    fields = ("prompts", "output", "max_attempts", "max_error_fraction", "extra_server_args")
+    faulty, servers = sim_servers(num_servers=1, num_shards=1, **{k: faulty.flat_value(k) for k in fields})
+    with pytest.raises(ShardFailed):
+        ShardRun(faulty, [(r.url, r.api_key) for r in servers], 0, "m").run()
+    [shard] = status(faulty).attention
+    assert shard["what"] == "1 shard failed (0/1)" and "prompts failed (more than max_error_fraction" \
+        in shard["details"][0]
+    assert shard["details"][1].startswith("shard 0/1 on ") and "last failed prompt: fault-" in shard["details"][1]
+    assert "HTTP 500" in shard["details"][1]
+    assert shard["next"].startswith("the servers failed on these requests: read their logs")
+    assert shard["next"].endswith("each resumes from what it finished")
 
 
 @pytest.mark.slow
@@ -104,6 +142,30 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
         assert "<img src=x onerror=window.pwned=1>" in page.inner_text("#output")
         assert page.evaluate("window.pwned") is None and dialogs == []
         assert page.locator("#summary img").count() == 0
+
+        # What went wrong, first on the page: the seed's disaster caught by the canary, then
+        # shards whose prompts the servers fail, each with its error and the next step.
+        thinking_off = trigger_run(api, make_config(output=str(tmp_path / "thinking-off"), sim_ignore_thinking=True,
+                                                    sim_tokens_per_second=2000), airflow["config_dir"])
+        faulty, _ = fault_config(make_config, tmp_path, "faults")
+        faults = trigger_run(api, faulty, airflow["config_dir"])
+        assert wait_run(api, thinking_off, 300) == "failed" and wait_run(api, faults, 300) == "failed"
+        page = context.new_page()
+        page.goto(f"{base}/regen/runs/regenerate_dataset/{thinking_off}")
+        page.wait_for_selector("#canary-verdict", timeout=30000)
+        assert page.inner_text("#canary-verdict") == "failed"
+        alert = page.inner_text("#attention")
+        assert "canary failed" in alert and "without reasoning while enable_thinking is on" in alert
+        assert "next: fix what each problem names" in alert and "run failed" in page.inner_text("#summary")
+        page.screenshot(path=str(ARTIFACTS / "run-page-canary-failed.png"), full_page=True)
+        page = context.new_page()
+        page.goto(f"{base}/regen/runs/regenerate_dataset/{faults}")
+        page.wait_for_selector("#attention .problem", timeout=30000)
+        alert = page.inner_text("#attention")
+        assert "3 shards failed (0/3, 1/3, 2/3)" in alert and "HTTP 500: simulated internal error" in alert
+        assert "next: the servers failed on these requests" in alert
+        assert "HTTP 500" in page.inner_text("#shards") and page.inner_text("#canary-verdict") == "passed"
+        page.screenshot(path=str(ARTIFACTS / "run-page-failed-shards.png"), full_page=True)
         browser.close()
 
     # Another DAG's run: not served, whatever its conf says.

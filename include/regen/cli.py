@@ -26,6 +26,7 @@ from regen.files import read_json
 from regen.objectstore import is_store_url, local_path
 from regen.pipeline import execute, run
 from regen.preflight import PreflightFailed
+from regen.status import attention
 from regen.tinymodel import build_tiny_model
 
 EXIT_FAILED = 1
@@ -259,14 +260,25 @@ def cmd_summary(args) -> int:
     print(f"dataset:  {layout.data}  ({progress.get('done', 0):,} rows done, "
           f"{progress.get('failed', 0):,} failed, of {progress.get('total', 0):,})")
     print(f"progress: {layout.progress_file}")
+    canary = progress.get("canary")
+    if canary is not None:
+        estimate = (canary.get("estimate") or {}).get("text")
+        print("canary:   " + ("passed" if canary.get("passed") else "FAILED")
+              + (f"; estimate: {estimate}" if estimate and canary.get("passed") else ""))
     summary = read_json(layout.audit.summary_json)
+    todo = attention(progress, summary)
+    for item in todo:
+        print(f"! {item['what']}")
+        for detail in item["details"]:
+            print(f"    {detail}")
+        print(f"    next: {item['next']}")
     if summary is None:
         print("audit:    not run yet")
         return EXIT_FAILED
     print(f"audit:    {layout.audit.root}  (report.html, summary.json, samples.parquet)")
     for line in summary["summary"]:
         print("  " + line)
-    return 0 if summary["verdict"] == "PASS" else EXIT_FAILED
+    return 0 if summary["verdict"] == "PASS" and not todo else EXIT_FAILED
 
 
 def cmd_demo_model(args) -> int:

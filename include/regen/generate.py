@@ -68,6 +68,7 @@ class _Shard:
     failed: int = 0
     tokens: int = 0
     up_to_date: bool = False
+    last_error: str | None = None  # the last failed prompt's: what the run page shows a person
 
     @property
     def total(self) -> int:
@@ -235,12 +236,13 @@ class ShardRun:
                 except TimeoutError:
                     if not deadline.expired():
                         raise
-                    self._report("failed")
-                    raise ShardFailed(f"{self.name} passed its deadline of {self.deadline_s:.0f} s "
-                                      f"(derived from the canary's estimate); what it finished is kept and "
-                                      f"its retry resumes from there") from None
-                except BaseException:
-                    self._report("failed")
+                    failure = ShardFailed(f"{self.name} passed its deadline of {self.deadline_s:.0f} s "
+                                          f"(derived from the canary's estimate); what it finished is kept and "
+                                          f"its retry resumes from there")
+                    self._report("failed", str(failure))
+                    raise failure from None
+                except BaseException as exc:
+                    self._report("failed", str(exc) or type(exc).__name__)
                     raise
                 finally:
                     reporter.cancel()
@@ -288,6 +290,7 @@ class ShardRun:
             shard.tokens += row.get("completion_tokens") or 0
         else:
             shard.failed += 1
+            shard.last_error = f"{row['id']}: {row['error']}"[:500]
         if self.on_row is not None:
             self.on_row(row)
         if row["error"] is not None:
@@ -302,7 +305,7 @@ class ShardRun:
                 f"{shard.store.journal_path}; finished rows are kept"
             )
 
-    def _report_shard(self, shard: _Shard, state: str) -> dict:
+    def _report_shard(self, shard: _Shard, state: str, reason: str | None = None) -> dict:
         rows_s, tok_s = self.gen.rates() if self.gen else (0.0, 0.0)
         share = (len(shard.pending) / max(sum(len(s.pending) for s in self.shards.values()), 1))
         left = len(shard.pending) - shard.done - shard.failed
@@ -317,13 +320,14 @@ class ShardRun:
             "eta_s": 0 if state == "done" else (round(left / rows_s) if rows_s > 0 else None),
             "elapsed_s": round(time.monotonic() - self.started, 1),
             "servers": {e.url: e.report() for e in self.eps},
+            "last_error": shard.last_error, "reason": reason,
         }
         self.progress.write_shard(shard.store.shard, data)
         return data
 
-    def _report(self, state: str = "running") -> dict:
+    def _report(self, state: str = "running", reason: str | None = None) -> dict:
         """Each shard's part of progress.json; the first one's document (the log line's)."""
-        docs = [self._report_shard(s, state) for s in self.shards.values() if not s.up_to_date]
+        docs = [self._report_shard(s, state, reason) for s in self.shards.values() if not s.up_to_date]
         return docs[0] if docs else {}
 
     async def _reporter(self) -> None:

@@ -143,6 +143,7 @@ class GenerateResult(StageResult):
 
 class AuditResult(StageResult):
     verdict: str
+    reasons: list[str] = []  # why a FAIL fails, one line per broken bound
     rows: int  # the dataset's rows; samples are what training sees (one per assistant turn in events)
     samples: int
     audited: int
@@ -172,3 +173,4 @@ class RunStatus(StageResult):
     audit: dict[str, Any] | None
     nodes: list[dict[str, Any]]
     summary: str
+    attention: list[dict[str, Any]] = []  # regen.status.attention: what went wrong, what to do

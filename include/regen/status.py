@@ -93,10 +93,65 @@ def node_balance(shards: dict[str, dict]) -> dict[str, Any]:
             "ideal_s": round(ideal, 2) if ideal else None}
 
 
+# What to do about a failed shard, by what its error says; the first rule that matches.
+NEXT_STEPS = (
+    ("maximum context length", "prompt plus max_tokens exceed the model's context: lower max_tokens (a new run: a "
+     "run's Params are fixed) or raise the servers' --context-length in extra_server_args"),
+    ("passed its deadline", "the shard ran past 4x the canary's estimate (a hung node or server?): check the node "
+     "and `regen logs`, then clear it"),
+    ("lost its claim", "another attempt of this shard holds it now: nothing to do unless that one fails"),
+    ("HTTP 4", "the servers refuse these requests: fix what the error names (a new run if it is a field)"),
+    ("HTTP 5", "the servers failed on these requests: read their logs (`regen logs`, or the serve task's log)"),
+    ("no server answers", "the servers are gone: clear the run from start_servers (untick 'only failed')"),
+    ("cannot write", "the output's disk or store refused a write: free space or fix its permissions"),
+)
+SHARDS_NAMED = 5  # per kind of failure, on the page and in `regen summary`
+RESUME = "then clear the failed shards (the run's Clear, 'only failed'): each resumes from what it finished"
+
+
+def next_step(*texts: str | None) -> str:
+    """What a person does about a failed shard, from its failure and its last failed prompt."""
+    joined = " ".join(t for t in texts if t)
+    for needle, step in NEXT_STEPS:
+        if needle in joined:
+            return f"{step}; {RESUME}" if needle != "lost its claim" else step
+    return RESUME[0].upper() + RESUME[1:].removeprefix("hen ")
+
+
+def attention(progress: dict, audit: dict | None) -> list[dict[str, Any]]:
+    """What went wrong and what to do, most urgent first: a failed canary and its problems, each
+    failed shard's reason, last error and next step, a failed audit and why. Empty: nothing to do."""
+    items = []
+    canary = progress.get("canary") or {}
+    if canary.get("passed") is False:
+        items.append({"what": f"canary failed: {len(canary.get('problems') or [])} problem(s); no shard started",
+                      "details": [p[:600] for p in canary.get("problems") or []],
+                      "next": "fix what each problem names (a field: trigger a new run with it changed), then run again"})
+    failed: dict[str, list[dict]] = {}  # by next step: 64 shards failing alike are one item
+    for s in sorted((progress.get("shards") or {}).values(), key=lambda s: s.get("shard", 0)):
+        if s.get("state") == "failed":
+            failed.setdefault(next_step(s.get("reason"), s.get("last_error")), []).append(s)
+    for step, shards in failed.items():
+        names = ", ".join(f"{s.get('shard')}/{s.get('num_shards')}" for s in shards[:SHARDS_NAMED])
+        more = f" and {len(shards) - SHARDS_NAMED} more" if len(shards) > SHARDS_NAMED else ""
+        details = [shards[0]["reason"]] if shards[0].get("reason") else []
+        details += [f"shard {s.get('shard')}/{s.get('num_shards')}" + (f" on {s['node']}" if s.get("node") else "")
+                    + f": {s.get('done', 0):,} of {s.get('total', 0):,} rows kept"
+                    + (f"; last failed prompt: {s['last_error']}" if s.get("last_error") else "")
+                    for s in shards[:SHARDS_NAMED]]
+        items.append({"what": f"{len(shards)} shard{'s' if len(shards) > 1 else ''} failed ({names}{more})",
+                      "details": details, "next": step})
+    if audit and audit.get("verdict") == "FAIL":
+        items.append({"what": "audit FAIL: the data is not fit to train on",
+                      "details": audit.get("reasons") or audit.get("summary", [])[:1],
+                      "next": "read the report (histograms, worst samples); fix the cause, then regenerate"})
+    return items
+
+
 def status(cfg: RunConfig) -> RunStatus:
     """The status stage: run_data of the run's output, read where the output lives."""
     data = run_data(cfg.layout)
     progress = data["progress"]
-    return RunStatus(**data, nodes=node_view(cfg, progress),
+    return RunStatus(**data, nodes=node_view(cfg, progress), attention=attention(progress, data["audit"]),
                      summary=f"{progress.get('done', 0):,} of {progress.get('total', 0):,} done, "
                              f"{progress.get('failed', 0):,} failed")

@@ -189,3 +189,17 @@ def assert_no_server_left(cfg) -> None:
         port = cfg.servers.base_port + i
         assert processes_with_args("--port", str(port)) == [], f"a server on port {port} is alive"
         assert port_is_free(cfg.servers.host, port), f"port {port} still bound"
+
+
+def fault_config(make_config, tmp_path, name):
+    """A run whose shards fail for good while the fault file exists (the canary's prompts are
+    spared): 280 demo prompts plus 12 that the simulator answers with HTTP 500."""
+    prompts = tmp_path / f"{name}.jsonl"
+    extra = [json.dumps({"id": f"fault-{i}", "prompt": f"[sim-fault] question {i}?"}) for i in range(12)]
+    prompts.write_text((ROOT / "demo" / "prompts.jsonl").read_text() + "\n".join(extra) + "\n")
+    fault = tmp_path / f"{name}.fault"
+    fault.touch()
+    cfg = make_config(prompts=str(prompts), output=str(tmp_path / name), num_shards=3, num_servers=1,
+                      max_attempts=2, max_error_fraction=0.0, sim_tokens_per_second=3000,
+                      extra_server_args=["--sim-fail-while", str(fault)])
+    return cfg, fault

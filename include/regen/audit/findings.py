@@ -205,10 +205,34 @@ class AuditReport:
     def verdict(self) -> str:
         return "PASS" if self.passed else "FAIL"
 
+    def reasons(self) -> list[str]:
+        """Why the verdict is FAIL, one line per broken bound (empty when it passes): what the run
+        page and `regen summary` lead with."""
+        s, t = self.summary, self.thresholds
+        out = []
+        if not s.audited:
+            out.append("no sample was audited: the dataset is empty or unreadable")
+        foreign = {f: s.counts[f] for f in PROVENANCE if s.counts[f]}
+        if foreign:
+            out.append("rows that are not this run's: " + ", ".join(f"{f} {n:,}" for f, n in foreign.items())
+                       + " (another prompt file or other settings wrote them)")
+        if s.audited and s.degenerate_fraction > t.max_degenerate_fraction:
+            out.append(f"{s.counts['degenerate']:,} of {s.audited:,} samples degenerate (fraction "
+                       f"{s.degenerate_fraction:.4f} above max_degenerate_fraction {t.max_degenerate_fraction:.4f}): "
+                       f"loss masks under min_loss_tokens {t.min_loss_tokens}, or thinking asked and none came back")
+        if s.divergence_fraction > t.max_divergence_fraction:
+            out.append(f"agentic rows ended at a divergence: fraction {s.divergence_fraction:.4f} above "
+                       f"max_divergence_fraction {t.max_divergence_fraction:.4f}")
+        if s.on_policy_fraction is not None and s.on_policy_fraction < (t.min_on_policy_fraction or 0.0):
+            out.append(f"on-policy fraction {s.on_policy_fraction:.4f} under min_on_policy_fraction "
+                       f"{t.min_on_policy_fraction:.4f}: samples are not what the engine served and generated")
+        return out
+
     def to_json(self) -> dict:
         s = self.summary
         return {
             "verdict": self.verdict(),
+            "reasons": self.reasons(),
             "samples": s.samples,
             "audited": s.audited,
             "degenerate_fraction": round(s.degenerate_fraction, 6),

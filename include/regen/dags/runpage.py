@@ -85,15 +85,16 @@ def create_app():
         response.headers["X-Content-Type-Options"] = "nosniff"
         return response
 
-    def config_of(dag_id: str, run_id: str) -> RunConfig:
-        """The run's config; the database session is closed before anything reaches a node."""
+    def config_of(dag_id: str, run_id: str) -> tuple[RunConfig, str | None]:
+        """The run's config and state; the database session is closed before anything reaches a node."""
         with create_session() as session:
             run = session.scalar(select(DagRun).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
             conf = None if run is None else dict(run.conf or {})
+            state = None if run is None else str(run.state.value if hasattr(run.state, "value") else run.state)
         if run is None:
             raise HTTPException(404, f"no run {run_id!r} of {dag_id!r}")
         try:  # a run whose conf was refused has nothing to show, and reaches no node
-            return triggered_config(dag_id, conf)
+            return triggered_config(dag_id, conf), state
         except NotRegenDag as exc:
             raise HTTPException(404, str(exc)) from None
         except ConfigError as exc:
@@ -108,14 +109,17 @@ def create_app():
 
     @app.get("/runs/{dag_id}/{run_id}/data", dependencies=guard)
     def data(dag_id: str, run_id: str) -> dict:
+        """The run's output as the status stage reads it, and the run's state in Airflow (a run
+        marked failed by hand leaves shards that still say "running": the page says stopped)."""
+        cfg, state = config_of(dag_id, run_id)
         try:
-            return config_data(config_of(dag_id, run_id))
+            return {**config_data(cfg), "run_state": state}
         except TimeoutError as exc:
             raise HTTPException(504, str(exc)) from None
 
     @app.get("/runs/{dag_id}/{run_id}/report", dependencies=guard)
     def report(dag_id: str, run_id: str):
-        cfg = config_of(dag_id, run_id)
+        cfg, _ = config_of(dag_id, run_id)
         if cfg.ssh_conn_id:
             raise HTTPException(404, f"the report is on {cfg.ssh_conn_id}: {cfg.dataset_output}/audit/report.html")
         try:
@@ -136,9 +140,14 @@ table{border-collapse:collapse}td,th{padding:.25em .7em;border-bottom:1px solid 
 td:first-child,th:first-child{text-align:left}.bar{background:#e8eef8;width:12em;height:.8em;display:inline-block}
 .fill{background:#4472c4;height:100%}.PASS{background:#2e7d32}.FAIL{background:#c62828}
 .verdict{color:#fff;padding:.2em .7em;border-radius:3px}.muted{color:#777}
+#attention>div{border-left:4px solid #c62828;background:#fdecea;padding:.5em 1em;margin:.6em 0}
+#attention>div.stopped{border-color:#777;background:#f1f1f1}#attention ul{margin:.3em 0}.next{font-weight:600}
+td.error{text-align:left;max-width:34em;font-size:.9em;color:#a00;word-break:break-word}
 </style></head><body>
 <h1>regen run <span class="muted" id="title">__TITLE__</span></h1>
 <div id="summary" class="muted">loading...</div>
+<div id="attention"></div>
+<h2>Canary</h2><div id="canary" class="muted">not run yet</div>
 <h2>Tokens per second</h2><svg id="chart" width="640" height="160" style="border:1px solid #ddd"></svg>
 <div id="nodes-section" hidden><h2>Nodes</h2><table id="nodes"></table></div>
 <h2>Shards</h2><table id="shards"></table>
@@ -184,18 +193,35 @@ async function refresh() {
   const r = await fetch(location.pathname.replace(/\/$/, "") + "/data", {credentials: "same-origin"});
   if (!r.ok) { document.getElementById("summary").textContent = "error " + r.status; return; }
   const d = await r.json(), p = d.progress || {}, canary = p.canary || {};
+  // A run marked failed (or stopped) in Airflow: its shards never got to say so.
+  const ended = ["failed", "success"].includes(d.run_state);
+  const shards = Object.values(p.shards || {}).sort((a, b) => a.shard - b.shard)
+    .map(s => ended && s.state === "running" ? {...s, state: "stopped"} : s);
+  const stopped = shards.filter(s => s.state === "stopped");
   document.getElementById("summary").replaceChildren(
-    el("b", {}, fmt(p.done)), ` of ${fmt(p.total)} done, ${fmt(p.failed)} failed, ${fmt(Math.round(p.tokens_per_s || 0))} tok/s, ETA ${dur(p.eta_s)}`,
-    canary.estimate && canary.estimate.text ? ` \u00b7 canary estimate: ${canary.estimate.text}` : "",
+    el("b", {}, fmt(p.done)), ` of ${fmt(p.total)} done, ${fmt(p.failed)} failed, ${fmt(Math.round(p.tokens_per_s || 0))} tok/s, ETA ${ended ? "-" : dur(p.eta_s)}`,
+    d.run_state ? ` \u00b7 run ${d.run_state}` : "",
     " \u00b7 ", el("span", {class: "muted", id: "output"}, d.output));
+  const todo = (d.attention || []).slice();
+  if (stopped.length) todo.unshift({kind: "stopped", what: `run stopped (${d.run_state} in Airflow) with ${stopped.length} shard(s) unfinished`,
+    details: stopped.map(s => `shard ${s.shard}/${s.num_shards}: ${fmt(s.done)} of ${fmt(s.total)} rows kept`),
+    next: "clear the run (or its generate tasks) to resume: finished rows are kept"});
+  document.getElementById("attention").replaceChildren(...todo.map(t => el("div", {class: t.kind === "stopped" ? "stopped" : "problem"},
+    el("b", {}, t.what), el("ul", {}, ...t.details.map(x => el("li", {}, x))), el("div", {class: "next"}, "next: " + t.next))));
+  if (canary.passed !== undefined) {
+    const est = canary.estimate || {};
+    document.getElementById("canary").replaceChildren(
+      el("span", {id: "canary-verdict", class: "verdict " + (canary.passed ? "PASS" : "FAIL")}, canary.passed ? "passed" : "failed"),
+      canary.passed ? ` ${fmt(canary.samples)} samples \u00b7 estimate: ${est.text || "?"}` : ` ${fmt((canary.problems || []).length)} problem(s), listed above`);
+  }
   chart(d.history || [], p);
-  const shards = Object.values(p.shards || {}).sort((a, b) => a.shard - b.shard);
   const nodes = d.nodes || [];
   document.getElementById("nodes-section").hidden = nodes.length < 2;
   table("nodes", ["node", "reached by", "servers", "shards running", "shards done", "rows", "tok/s"],
     nodes.map(n => [n.node, n.reached_by, n.servers.map(s => s.url).join(" "), `${fmt(n.shards_running)}/${fmt(n.max_shards)}`, fmt(n.shards_done), fmt(n.rows), fmt(Math.round(n.tokens_per_s))]));
-  table("shards", ["shard", "node", "state", "progress", "done", "failed", "tok/s", "ETA"],
-    shards.map(s => [`shard ${s.shard}/${s.num_shards}`, s.node || "", s.state, bar(s.done, s.total), `${fmt(s.done)}/${fmt(s.total)}`, fmt(s.failed), fmt(Math.round(s.tokens_per_s || 0)), dur(s.eta_s)]));
+  table("shards", ["shard", "node", "state", "progress", "done", "failed", "tok/s", "ETA", "last error"],
+    shards.map(s => [`shard ${s.shard}/${s.num_shards}`, s.node || "", s.state, bar(s.done, s.total), `${fmt(s.done)}/${fmt(s.total)}`, fmt(s.failed), s.state === "running" ? fmt(Math.round(s.tokens_per_s || 0)) : "", s.state === "running" ? dur(s.eta_s) : "", s.last_error || ""]));
+  for (const td of document.querySelectorAll("#shards td:last-child")) td.className = "error";
   table("servers", ["server", "healthy", "done", "failed", "in flight", "running", "queued", "accept length"],
     Object.entries(p.servers || {}).map(([url, s]) => { const m = s.metrics || {}; return [url, s.healthy ? "yes" : "no", fmt(s.done), fmt(s.failed), fmt(s.in_flight), fmt(m.running), fmt(m.queued), m.spec_accept_length == null ? "" : m.spec_accept_length]; }));
   const a = d.audit;
@@ -209,7 +235,7 @@ async function refresh() {
       el("p", {}, el("a", {href: base + "/report"}, "full report: histograms and samples")),
       el("iframe", {src: base + "/report", sandbox: "", width: "100%", height: "900", style: "border:0"}));
   }
-  if (!a) setTimeout(refresh, 5000);
+  if (!a && !ended) setTimeout(refresh, 5000);
 }
 refresh();
 </script></body></html>
