@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("coordination and rows", ("regen.coordination", "regen.rows")),
     ("the config", ("regen.config",)),
     ("records and adapters", ("regen.config.deployment", "regen.training", "regen.results", "regen.stages", "regen.remote", "regen.manifest",
-                              "regen.progress", "regen.status", "regen.alerts", "regen.engines",
+                              "regen.progress", "regen.status", "regen.alerts", "regen.engines", "regen.card",
                               "regen.servers.records", "regen.servers.gpus", "regen.servers.capacity", "regen.servers.probe", "regen.export",
                               "regen.tinymodel", "regen.audit.findings", "regen.audit.rules",
                               "regen.audit.viewer", "regen.audit.report")),

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import subprocess
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -266,3 +267,43 @@ def test_a_bounded_call_stops_at_its_budget_and_raises_what_the_call_raised():
         call_bounded("builtins:bytearray", (3 * 2**30,), 30, 2**30)  # 3 GiB under a 1 GiB limit
     with pytest.raises(OverBudget):
         call_bounded("time:sleep", (60,), 2, 2**30)  # wall time, not CPU: the deadline stops it
+
+
+def test_the_audit_writes_a_dataset_card_that_a_hub_loads_the_data_by(sim_servers, tmp_path):
+    """README.md beside data/: Hugging Face's card form (the `datasets` library loads the data
+    through its configs), the verdict first, the histogram of every audited sample; a failing
+    audit rewrites it to say FAIL and why."""
+    import yaml
+
+    from regen.audit.dataset import audit
+    from regen.audit.findings import AuditFailed
+    from regen.generate import ShardRun
+    from support.engines import DATASETS_PYTHONS
+
+    cfg, records = sim_servers(num_servers=1, num_shards=2, max_tokens=512)
+    for shard in range(2):
+        ShardRun(cfg, [(r.url, r.api_key) for r in records], shard, "m").run()
+    audit(cfg)
+    out = Path(cfg.output)
+    card = (out / "README.md").read_text()
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["configs"][0]["data_files"][0] == {"split": "train", "path": "data/*.parquet"}
+    assert front["size_categories"] == ["n<1K"]
+    summary = json.loads((out / "audit" / "summary.json").read_text())
+    body = card.split("---\n", 2)[2]
+    assert "**Audit: PASS.**" in body and f"`{cfg.model_path}`" in body
+    assert "| max_tokens | 512 |" in body
+    bars = re.findall(r"^\| [\d,]+(?:-[\d,]+|\+) \| ([\d,]+) \|", body, re.M)
+    assert len(bars) == 7 and sum(int(n.replace(",", "")) for n in bars) == summary["audited"]
+    loaded = subprocess.run([str(DATASETS_PYTHONS["5.2.0"]), "-c",
+                             "import sys, datasets; d = datasets.load_dataset(sys.argv[1]); "
+                             "print(list(d), d['train'].num_rows)", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert loaded.stdout.split() == ["['train']", str(len(pd.read_parquet(out / "data")))]
+
+    with pytest.raises(AuditFailed):
+        audit(cfg.model_copy(update={"min_loss_tokens": 100_000}))
+    failed = (out / "README.md").read_text()
+    assert "**Audit: FAIL.**" in failed and "Not fit to train on as it is:" in failed
+    assert "above max_degenerate_fraction" in failed

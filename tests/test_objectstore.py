@@ -268,3 +268,5 @@ def test_a_dag_run_writes_its_dataset_to_a_bucket_and_announces_it_there(
     assert len(events) == 1 and events[0]["rows"] == 280 and events[0]["verdict"] == "PASS"
     assert not (tmp_path / "s3:").exists() and not list((tmp_path / "work").glob("*/data"))
     assert list((tmp_path / "work").glob("*/audit/report.html"))  # the report stays on the node
+    card = s3_server.client().get_object(Bucket=bucket, Key="regen/demo/README.md")["Body"].read().decode()
+    assert "**Audit: PASS.**" in card and "path: data/*.parquet" in card  # the card goes with the data

@@ -94,6 +94,11 @@ class ObjectStore:
         except FileExistsError:
             return self._same(key, data)
 
+    def put(self, key: str, data: bytes) -> None:
+        """Write ``data`` at ``key`` whatever is there: for documents about the data (the dataset
+        card), never for the data itself."""
+        self.fs.pipe_file(self.path(key), data)
+
     def _same(self, key: str, data: bytes) -> bool:
         """A retry of a write that had landed finds its own bytes: that is a success."""
         try:

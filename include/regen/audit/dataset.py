@@ -33,6 +33,7 @@ from regen.layout import AuditFiles, RunLayout
 from regen.manifest import Manifest
 from regen.progress import RunProgress
 from regen.prompts import shard_of
+from regen.card import write_card
 from regen.results import AuditResult
 from regen.rows import count_rows, iter_batches
 from regen.training import training_samples
@@ -219,7 +220,10 @@ def audit(cfg: RunConfig, data: str | None = None, tokenizer: str | None = None,
                            AuditThresholds.from_config(cfg), default_thinking=cfg.enable_thinking)
     doc = result.to_json()
     RunProgress(layout).write_section("audit", doc)
+    rows = count_rows(layout)
+    if not data:  # the run's own output: its config says what made it
+        write_card(cfg, layout, doc, result.summary.loss_tokens, rows)
     if not result.passed:
         raise AuditFailed("\n".join(result.lines()), doc)
-    return AuditResult.model_validate({**doc, "rows": count_rows(layout), "output": str(layout.root),
+    return AuditResult.model_validate({**doc, "rows": rows, "output": str(layout.root),
                                        "dataset_uri": layout.asset_uri(cfg.ssh_conn_id)})
