@@ -213,7 +213,8 @@ def main() -> None:
                         help="also a bare httpx 0.28 client (regen's former transport, the cause probe)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--port", type=int, default=39300)
+    parser.add_argument("--port", type=int, default=29300,
+                        help="the server's port; below the ephemeral range, where no client socket takes it")
     parser.add_argument("--vllm-python", default=os.environ.get("REGEN_VLLM_PYTHON"))
     parser.add_argument("--model", default=os.environ.get("REGEN_TRAINED_MODEL"))
     parser.add_argument("--sim-args", default="--sim-tokens-per-second 300 --sim-batch-slowdown 0.02 --max-running-requests 32",

@@ -5,7 +5,8 @@ node) and `regenerate_two_nodes` (`nodes` a and b, each staged, served and torn 
 queue). Two-node runs: node b serving at half speed, the work splits by capacity; node b's worker
 and servers SIGKILLed mid-run, the run completes on node a. One-node run: one worker is killed
 with SIGKILL in the middle of a shard, the shard is retried on the other. Every dataset ends with
-every id exactly once. The module starts and stops every process it needs (about 7 minutes).
+every id exactly once. Each component has an AIRFLOW_HOME of its own, as a container has, and
+shares only the secrets docker-compose.yaml's init draws and its settings read. The module starts and stops every process it needs (about 7 minutes).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -40,6 +42,18 @@ def cluster(tmp_path_factory):
         yield from _cluster(home, found)
 
 
+def compose_secrets(home: Path) -> dict[str, str]:
+    """The secrets docker-compose.yaml's services share, drawn by its own init script, and its own
+    settings that read them (their paths moved under ``home``)."""
+    folder = home / "secrets"
+    subprocess.run(["bash", str(ROOT / "deploy" / "compose-init.sh")], check=True, capture_output=True,
+                   env=dict(os.environ, SECRETS_DIR=str(folder), DATA_DIR=str(home / "data"), WORKER_UID=str(os.getuid()),
+                            PYTHON=sys.executable, PATH=f"{BIN}:{os.environ['PATH']}"))
+    compose = yaml.safe_load((ROOT / "docker-compose.yaml").read_text())
+    common = compose["services"]["airflow-apiserver"]["environment"]
+    return {k: v.replace("/opt/airflow/secrets", str(folder)) for k, v in common.items() if k.endswith("_CMD")}
+
+
 def _cluster(home: Path, found: Services):
     db = found.new_database()
     port = free_port_base(1)
@@ -56,10 +70,14 @@ def _cluster(home: Path, found: Services):
         AIRFLOW__CORE__HOSTNAME_CALLABLE="worker_name.hostname",
         AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT="20",
         REGEN_CONFIG_DIR=str(deployment(home)),
-        REGEN_QUEUE="gpu")
-    migrate = subprocess.run([str(BIN / "airflow"), "db", "migrate"], env=env, capture_output=True, text=True)
+        REGEN_QUEUE="gpu", **compose_secrets(home))
+    (home / "homes" / "init").mkdir(parents=True)
+    migrate = subprocess.run([str(BIN / "airflow"), "db", "migrate"], capture_output=True, text=True,
+                             env={**env, "AIRFLOW_HOME": str(home / "homes" / "init")})
     assert migrate.returncode == 0, migrate.stderr[-3000:] + migrate.stdout[-2000:]
-    cluster = AirflowProcesses(home, env)
+    # Each component in a home of its own, as containers are: a secret drawn per home would fail
+    # every task ("Invalid auth token"); the compose file's shared ones must carry the run.
+    cluster = AirflowProcesses(home, env, separate_homes=True)
     cluster.start("api-server", "api-server")
     cluster.start("scheduler", "scheduler")
     cluster.start("dag-processor", "dag-processor")

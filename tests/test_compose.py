@@ -17,6 +17,16 @@ AIRFLOW_SERVICES = [name for name in SERVICES if name.startswith("airflow-")]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 
 
+def volumes(service: dict) -> list[tuple[str, str]]:
+    """(source, target) of each volume, ``${VAR:-default}`` read as its default."""
+    out = []
+    for volume in service.get("volumes", []):
+        volume = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", volume)
+        source, target = volume.split(":")[:2]
+        out.append((source, target))
+    return out
+
+
 def test_the_official_shape_plus_a_gpu_worker():
     assert set(SERVICES) >= {"postgres", "redis", "airflow-apiserver", "airflow-scheduler",
                              "airflow-dag-processor", "airflow-triggerer", "airflow-worker",
@@ -48,8 +58,7 @@ def test_volumes_mount_the_project_where_the_environment_says():
     for name in AIRFLOW_SERVICES:
         service = SERVICES[name]
         mounts = {}
-        for volume in service["volumes"]:
-            source, target = volume.split(":")[:2]
+        for source, target in volumes(service):
             if source.startswith("."):
                 assert (ROOT / source).exists(), source
             else:
@@ -70,8 +79,11 @@ def test_every_airflow_setting_exists_and_every_regen_setting_is_read():
     for name in AIRFLOW_SERVICES:
         for key in SERVICES[name]["environment"]:
             if key.startswith("AIRFLOW__"):
-                _, section, option = key.split("__", 2)
-                assert option.lower() in known.get(section.lower(), {}).get("options", {}), key
+                _, section, option = key.lower().split("__", 2)
+                if option.endswith("_cmd"):  # a secret read from a file: only sensitive options take _CMD
+                    option = option.removesuffix("_cmd")
+                    assert (section, option) in conf.sensitive_config_values, key
+                assert option in known.get(section, {}).get("options", {}), key
             elif key.startswith("REGEN_"):
                 assert f'"{key}"' in project, f"{key} is not read by regen"
 
@@ -152,3 +164,111 @@ def test_two_gpu_nodes_one_run_over_both():
     assert len(host_gpus) == len(set(host_gpus)) == 8  # each host GPU reserved by one worker
     shared = Path("/data/regen")
     assert shared in Path(run.config.output).parents and shared in Path(env["REGEN_KEY_DIR"]).parents
+
+
+SECRETS = "/opt/airflow/secrets"
+
+
+def test_every_airflow_service_shares_one_config_and_reads_the_secrets_init_draws():
+    """The official file's JWT failure ("Invalid auth token: Signature verification failed" on every
+    Celery task) comes from each container drawing its own secret: here every Airflow service has the
+    same AIRFLOW__ settings, and the secrets are files of one volume they all mount, drawn once."""
+    common = {k: v for k, v in SERVICES["airflow-apiserver"]["environment"].items() if k.startswith("AIRFLOW__")}
+    for key in ("AIRFLOW__API_AUTH__JWT_SECRET_CMD", "AIRFLOW__API__SECRET_KEY_CMD", "AIRFLOW__CORE__FERNET_KEY_CMD"):
+        assert common[key].startswith(f"cat {SECRETS}/"), key
+    assert common["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"].startswith(f"{SECRETS}/")
+    for name in AIRFLOW_SERVICES:
+        service = SERVICES[name]
+        assert {k: v for k, v in service["environment"].items() if k.startswith("AIRFLOW__")} == common, name
+        assert f"airflow-secrets:{SECRETS}" in service["volumes"], name
+        assert not any(k.startswith("AIRFLOW__") and not k.endswith("_CMD") and "SECRET" in k
+                       for k in service["environment"]), name  # no secret in the file itself
+    init = "\n".join(SERVICES["airflow-init"]["command"])
+    assert init.index("bash /opt/airflow/deploy/compose-init.sh") < init.index("airflow db migrate")
+    assert SERVICES["airflow-init"]["user"] == "0:0"  # it gives the volumes to the services' uid
+
+
+def test_compose_init_draws_the_secrets_once_gives_the_volumes_to_the_workers_and_builds_the_model(tmp_path):
+    """deploy/compose-init.sh, run here as airflow-init runs it (as root), twice; then Airflow reads
+    the JWT secret through the compose file's own _CMD setting."""
+    import json
+    import os
+    import sys
+
+    from cryptography.fernet import Fernet
+
+    secrets, data = tmp_path / "secrets", tmp_path / "data"
+    uid = int(SERVICES["airflow-worker"]["user"].split(":")[0])
+    env = dict(os.environ, SECRETS_DIR=str(secrets), DATA_DIR=str(data), WORKER_UID=str(uid),
+               PYTHON=sys.executable, PATH=f"{BIN}:{os.environ['PATH']}")
+    env.pop("_AIRFLOW_WWW_USER_PASSWORD", None)
+    script = ROOT / "deploy" / "compose-init.sh"
+    first = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    drawn = {p.name: p.read_text() for p in secrets.iterdir()}
+    assert set(drawn) == {"jwt_secret", "api_secret_key", "fernet_key", "passwords.json"}
+    Fernet(drawn["fernet_key"].strip())  # a key Airflow's Fernet takes
+    assert len(drawn["jwt_secret"].strip()) >= 48 and drawn["jwt_secret"] != drawn["api_secret_key"]
+    assert json.loads(drawn["passwords.json"]) == {"airflow": "airflow"}  # the login README names
+    for path in [secrets, *secrets.iterdir(), data, data / "demo-model", data / "demo-model" / "config.json"]:
+        assert path.stat().st_uid == uid, path
+    assert all(p.stat().st_mode & 0o077 == 0 for p in [secrets, *secrets.iterdir()])
+    again = subprocess.run(["bash", str(script)], env={**env, "_AIRFLOW_WWW_USER_PASSWORD": "other"},
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert {p.name: p.read_text() for p in secrets.iterdir()} == drawn  # a second `up` keeps them
+    assert "built the demo model" not in again.stdout
+
+    command = SERVICES["airflow-apiserver"]["environment"]["AIRFLOW__API_AUTH__JWT_SECRET_CMD"]
+    read = subprocess.run([str(BIN / "airflow"), "config", "get-value", "api_auth", "jwt_secret"],
+                          env={**env, "AIRFLOW_HOME": str(tmp_path / "home"),
+                               "AIRFLOW__API_AUTH__JWT_SECRET_CMD": command.replace(SECRETS, str(secrets))},
+                          capture_output=True, text=True, timeout=120)
+    assert read.returncode == 0, read.stderr[-1000:]
+    assert read.stdout.strip() == drawn["jwt_secret"].strip()
+
+
+def test_what_each_deployed_config_names_is_on_a_volume_its_worker_mounts():
+    """The model, the output and the staging folder of deploy/*.yaml as the worker reads them (its
+    REGEN_ settings: the defaults under REGEN_VAR_DIR), on a volume of each worker serving the
+    config's queues: a path outside every mount would vanish with the container, or not exist."""
+    import json
+    import os
+
+    serving = _serving()
+    for path in sorted((ROOT / "deploy").glob("*.yaml")):
+        queues = yaml.safe_load(path.read_text()).get("queue"), *[
+            n["queue"] for n in yaml.safe_load(path.read_text()).get("nodes", [])]
+        for worker in {w for q in queues if q for w in serving[q]}:
+            service = SERVICES[worker]
+            env = dict(os.environ, **{k: str(v) for k, v in service["environment"].items() if k.startswith("REGEN_")})
+            out = subprocess.run([str(BIN / "regen"), "config", "--config", str(path), "--json"], env=env,
+                                 capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stderr[-1000:]
+            cfg = json.loads(out.stdout)
+            mounts = [target for _, target in volumes(service)]
+            for name in ("model_path", "output"):
+                assert any(cfg[name].startswith(m + "/") for m in mounts), f"{path.name}: {name} {cfg[name]} on {worker}"
+            for staging in [cfg["staging_dir"], *(n.get("staging_dir") for n in cfg["nodes"])]:
+                assert staging is None or staging.startswith("/dev/shm/"), path.name
+            assert service.get("shm_size") or service.get("ipc") == "host", worker
+
+
+def test_the_gpu_image_is_sglangs_own_at_the_pinned_version_with_regen_on_path():
+    import tomllib
+
+    pin = re.search(r"^sglang==(\S+)", (ROOT / "requirements-gpu.txt").read_text(), flags=re.M).group(1)
+    assert re.search(rf"^ARG SGLANG_VERSION={re.escape(pin)}$", DOCKERFILE, flags=re.M)
+    assert re.search(r"^FROM lmsysorg/sglang:v\$\{SGLANG_VERSION\} AS gpu$", DOCKERFILE, flags=re.M)
+    for name in ("airflow-gpu-worker", "airflow-gpu-worker-b"):
+        assert SERVICES[name]["build"]["args"]["SGLANG_VERSION"] == f"${{SGLANG_VERSION:-{pin}}}"
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["regen"] == "regen.cli:main"
+    stages = re.split(r"^FROM ", DOCKERFILE, flags=re.M)[1:]
+    for stage in stages:  # each image installs the project: `regen` on its PATH
+        assert "pip install --no-cache-dir --no-deps /opt/regen" in stage, stage.splitlines()[0]
+    gpu = stages[-1]
+    uid = SERVICES["airflow-gpu-worker"]["user"].split(":")[0]
+    assert f"--uid {uid} " in gpu and "ENTRYPOINT [\"airflow\"]" in gpu
+    two_nodes = yaml.safe_load((ROOT / "deploy" / "two_nodes.yaml").read_text())
+    assert two_nodes["engine_python"] == "/usr/bin/python3"  # the image's SGLang, not the Airflow venv

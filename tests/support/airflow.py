@@ -27,12 +27,17 @@ def airflow_env(home: Path, port: int, **extra: str) -> dict[str, str]:
 class AirflowProcesses:
     """Airflow components started for a test, each in its own session with a log; all stopped."""
 
-    def __init__(self, home: Path, env: dict[str, str]):
-        self.home, self.env = home, env
+    def __init__(self, home: Path, env: dict[str, str], separate_homes: bool = False):
+        """``separate_homes``: each component in an AIRFLOW_HOME of its own, as containers are (the
+        secrets they must share then come from the environment, as docker-compose.yaml gives them)."""
+        self.home, self.env, self.separate_homes = home, env, separate_homes
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, *argv: str, **extra_env: str) -> None:
         log = open(self.home / f"{name}.log", "wb")
+        if self.separate_homes:
+            (self.home / "homes" / name).mkdir(parents=True, exist_ok=True)
+            extra_env = {"AIRFLOW_HOME": str(self.home / "homes" / name), **extra_env}
         self.procs[name] = subprocess.Popen([str(BIN / "airflow"), *argv], env={**self.env, **extra_env},
                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# What docker-compose.yaml's airflow-init does once, as root, before any other service starts:
+#  - the secrets every Airflow service must share (the JWT secret that signs the tokens a Celery
+#    worker's task presents to the API server, the API's secret key, the Fernet key of connections),
+#    drawn at random on the first `docker compose up` and kept in the airflow-secrets volume, which
+#    every service reads through AIRFLOW__..._CMD (no secret is written into the compose file);
+#  - the web login's password file (user airflow; password $_AIRFLOW_WWW_USER_PASSWORD, default airflow);
+#  - the regen-data volume owned by the uid the workers run as (50000), and the demo model the
+#    default DAG serves, built there unless it is already.
+# Run again, it changes nothing that exists. Paths and the uid are variables so that the tests run it
+# on a machine without Docker (tests/test_compose.py, tests/test_celery.py).
+set -euo pipefail
+
+SECRETS_DIR=${SECRETS_DIR:-/opt/airflow/secrets}
+DATA_DIR=${DATA_DIR:-/data/regen}
+WORKER_UID=${WORKER_UID:-50000}
+PYTHON=${PYTHON:-python}
+
+mkdir -p "$SECRETS_DIR" "$DATA_DIR"
+chmod 0700 "$SECRETS_DIR"
+umask 077
+
+draw() {  # draw FILE PYTHON-EXPRESSION: the file's secret, unless it has one
+    local file="$SECRETS_DIR/$1"
+    if [ ! -s "$file" ]; then
+        "$PYTHON" -c "import secrets, base64; print($2)" > "$file.tmp"
+        mv "$file.tmp" "$file"
+        echo "airflow-init: drew $file"
+    fi
+}
+draw jwt_secret "secrets.token_urlsafe(48)"
+draw api_secret_key "secrets.token_urlsafe(48)"
+draw fernet_key "base64.urlsafe_b64encode(secrets.token_bytes(32)).decode()"  # Fernet's key form
+if [ ! -s "$SECRETS_DIR/passwords.json" ]; then
+    _AIRFLOW_WWW_USER_PASSWORD=${_AIRFLOW_WWW_USER_PASSWORD:-airflow} "$PYTHON" -c \
+        'import json, os; print(json.dumps({"airflow": os.environ["_AIRFLOW_WWW_USER_PASSWORD"]}))' \
+        > "$SECRETS_DIR/passwords.json"
+fi
+
+if [ ! -f "$DATA_DIR/demo-model/config.json" ]; then
+    regen demo-model --out "$DATA_DIR/demo-model" > /dev/null
+    echo "airflow-init: built the demo model in $DATA_DIR/demo-model (regenerate_dataset serves it with the" \
+         "simulator; for your model set model_path: /models/NAME and engine: sglang in deploy/dataset.yaml)"
+fi
+
+# The volume's top and what was made here; never a recursive walk of datasets that may be terabytes.
+chown -R "$WORKER_UID:0" "$SECRETS_DIR" "$DATA_DIR/demo-model"
+chown "$WORKER_UID:0" "$DATA_DIR"
+echo "airflow-init: log in at http://localhost:8080 as airflow (password: \$_AIRFLOW_WWW_USER_PASSWORD, default airflow)"
