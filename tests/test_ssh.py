@@ -288,15 +288,16 @@ def test_a_hung_node_does_not_hang_the_run_page(sshd, monkeypatch, make_config):
         listener.close()
 
 
-class BlackHoleRelay:
-    """A TCP relay to the node's sshd; :meth:`hang` makes the connections it holds a black hole
-    (connected, nothing delivered either way: a hung node or link), new ones still relay."""
+class Relay:
+    """A TCP relay to the node's sshd, the link a test breaks: :meth:`hang` makes the connections
+    it holds a black hole (connected, nothing delivered either way), :meth:`drop` resets them;
+    ``hang_new`` black-holes the connections to come too (a node gone silent)."""
 
     def __init__(self, port: int):
         import socket
         import threading
 
-        self.target, self.held = port, []
+        self.target, self.held, self.connections, self.hang_new = port, [], 0, False
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -310,9 +311,12 @@ class BlackHoleRelay:
                 client, _ = self.listener.accept()
             except OSError:
                 return
+            self.connections += 1
             upstream = socket.create_connection(("127.0.0.1", self.target))
             hung = threading.Event()
-            self.held.append(hung)
+            if self.hang_new:
+                hung.set()
+            self.held.append((hung, client, upstream))
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b, hung), daemon=True).start()
 
@@ -331,20 +335,166 @@ class BlackHoleRelay:
                 pass
 
     def hang(self) -> None:
-        for held in self.held:
-            held.set()
+        for hung, _, _ in self.held:
+            hung.set()
+
+    def drop(self) -> None:
+        import socket
+
+        for _, *sockets in self.held:
+            for sock in sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def close(self) -> None:
         self.listener.close()
 
 
+@pytest.fixture
+def flaky_node(sshd, monkeypatch, make_config, tmp_path):
+    """A node behind a :class:`Relay`, its servers up, a shard of 24 two-turn conversations to
+    generate (about 36 s of work); every request the node's server gets is logged."""
+    from regen import remote
+    from support.data import write_conversations
+
+    relay = Relay(sshd["port"])
+    flaky = json.loads(connection(sshd))
+    flaky["port"] = relay.port
+    monkeypatch.setenv("AIRFLOW_CONN_FLAKY_NODE", json.dumps(flaky))
+    monkeypatch.setattr(remote, "KEEPALIVE_S", 1.0)
+    monkeypatch.setattr(remote, "LINK_SILENT_S", 2.0)
+    log = tmp_path / "requests.jsonl"
+    prompts = write_conversations(tmp_path / "p.jsonl", 24, turns=2)
+    cfg = make_config(ssh_conn_id="flaky_node", remote_regen=str(BIN / "regen"), prompts=str(prompts),
+                      num_servers=1, num_shards=1, concurrency_per_server=4, sim_tokens_per_second=60,
+                      extra_server_args=["--sim-request-log", str(log)])
+    run("start_servers", cfg, served_model_path=run("stage_weights", cfg).path)
+    try:
+        yield relay, cfg, log
+    finally:
+        run("stop_servers", cfg)
+        relay.close()
+
+
+def requested_turns(log: Path):
+    from collections import Counter
+
+    requested = Counter()
+    for line in log.read_text().splitlines():
+        users = [m["content"] for m in json.loads(line)["messages"] if m["role"] == "user"]
+        requested[(users[0].split(",")[0], len(users) - 1)] += 1
+    return requested
+
+
+EVERY_TURN_ONCE = {(f"Conversation {i}", k): 1 for i in range(24) for k in range(2)}
+
+
+def journaled(cfg) -> int:
+    from regen.layout import RunLayout
+    from regen.store import Journal
+
+    return len(list(Journal.rows(RunLayout(cfg.output).journal(0, 1))))
+
+
+def output_ids(cfg) -> list[str]:
+    import pandas as pd
+
+    return sorted(pd.read_parquet(Path(cfg.output) / "data")["id"])
+
+
 @pytest.mark.slow
-def test_a_node_that_hangs_mid_shard_fails_the_attempt_at_its_deadline_and_the_retry_resumes(
-        sshd, monkeypatch, make_config, tmp_path):
-    """The link to the node goes silent while a shard of two-turn conversations runs there: the
-    attempt fails at its deadline (plus the grace the node gets to stop by itself), naming the
-    node; the node's own attempt stops at the deadline with its journal written; the retry
-    requests only the turns without a journaled answer. About 60 s."""
+@pytest.mark.parametrize("failure", ["drop", "hang"])
+def test_a_link_that_drops_or_goes_silent_mid_shard_is_reattached_and_the_shard_ends_in_the_same_attempt(
+        flaky_node, failure, caplog):
+    """The shard runs detached on the node: when the link is reset, or goes silent (a keepalive
+    unanswered), the attempt reconnects, follows the job's log from where it was left, and
+    returns the shard's result; no request is sent twice, no retry is needed. About 40 s each."""
+    import threading
+
+    relay, cfg, log = flaky_node
+    outcome: dict = {}
+
+    def attempt() -> None:
+        try:
+            outcome["result"] = run("generate", cfg, shards=[0])
+        except Exception as exc:  # noqa: BLE001 - the assertion below shows it
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=attempt)
+    worker.start()
+    wait_until(lambda: journaled(cfg) >= 3, 60, "conversations finished on the node")
+    getattr(relay, failure)()
+    worker.join(timeout=180)
+    assert "result" in outcome, outcome
+    assert (outcome["result"].done, outcome["result"].failed) == (24, 0)
+    assert relay.connections >= 2  # a new connection carried the rest
+    assert any("re-attached at byte" in r.getMessage() for r in caplog.records)
+    assert requested_turns(log) == EVERY_TURN_ONCE
+    assert output_ids(cfg) == sorted(f"c{i}" for i in range(24))
+
+
+def attempt_in_a_process(cfg, tmp_path) -> subprocess.Popen:
+    """A generate attempt at shard 0 in its own process, as an Airflow task runs one."""
+    import sys
+
+    config = tmp_path / "run.json"
+    config.write_text(cfg.model_dump_json())
+    return subprocess.Popen([sys.executable, "-c", "import sys; from regen.config import RunConfig; "
+                             "from regen.pipeline import run; "
+                             "run('generate', RunConfig.model_validate_json(open(sys.argv[1]).read()), shards=[0])",
+                             str(config)], env={**os.environ, "PYTHONPATH": str(ROOT / "include")})
+
+
+@pytest.mark.slow
+def test_an_attempt_airflow_stops_stops_its_job_on_the_node(flaky_node, tmp_path):
+    """Airflow stops a task (a timeout, a task marked failed) by interrupting it first (SIGINT,
+    then SIGTERM, then SIGKILL): the detached job on the node must stop with it, not generate
+    on unseen. About 15 s."""
+    import signal
+
+    _, cfg, _ = flaky_node
+    attempt = attempt_in_a_process(cfg, tmp_path)
+    try:
+        wait_until(lambda: journaled(cfg) >= 1, 60, "a conversation finished on the node")
+        attempt.send_signal(signal.SIGINT)
+        assert attempt.wait(timeout=30) != 0
+    finally:
+        attempt.kill()
+    wait_until(lambda: processes_with_args("run-stage", "generate") == [], 30, "the node's job stopped")
+    assert journaled(cfg) < 24
+
+
+@pytest.mark.slow
+def test_a_retry_follows_the_shard_its_killed_attempt_left_running_on_the_node(flaky_node, tmp_path, caplog):
+    """The Airflow side of an attempt dies without a word (SIGKILL: no teardown reaches the node):
+    the shard goes on there, and the retry follows that job to its end instead of starting a
+    second generator; each turn is requested once. About 40 s."""
+    import signal
+
+    relay, cfg, log = flaky_node
+    first = attempt_in_a_process(cfg, tmp_path)
+    try:
+        wait_until(lambda: journaled(cfg) >= 3, 60, "conversations finished on the node")
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert processes_with_args("run-stage", "generate") != []  # the node's job outlived its follower
+    result = run("generate", cfg, shards=[0])
+    assert (result.done, result.failed) == (24, 0)  # the job the killed attempt started
+    assert any("still runs there: following it" in r.getMessage() for r in caplog.records)
+    assert requested_turns(log) == EVERY_TURN_ONCE
+    assert output_ids(cfg) == sorted(f"c{i}" for i in range(24))
+
+
+@pytest.mark.slow
+def test_a_node_gone_silent_fails_the_attempt_at_its_deadline_and_the_retry_resumes(
+        flaky_node, monkeypatch):
+    """The node stops answering for good, new connections too: the attempt fails at its deadline
+    (plus the grace the node gets to stop by itself), naming the node; the node's own job stops at
+    the deadline with its journal written; once the node answers again the retry requests only
+    the turns without a journaled answer. About 60 s."""
     import threading
     import time
     from collections import Counter
@@ -353,62 +503,44 @@ def test_a_node_that_hangs_mid_shard_fails_the_attempt_at_its_deadline_and_the_r
     from regen.errors import RemoteError
     from regen.layout import RunLayout
     from regen.store import Journal
-    from support.data import write_conversations
 
-    relay = BlackHoleRelay(sshd["port"])
-    flaky = json.loads(connection(sshd))
-    flaky["port"] = relay.port
-    monkeypatch.setenv("AIRFLOW_CONN_FLAKY_NODE", json.dumps(flaky))
+    relay, cfg, log = flaky_node
     monkeypatch.setattr(remote, "DEADLINE_GRACE_S", 5.0)
-    log = tmp_path / "requests.jsonl"
-    prompts = write_conversations(tmp_path / "p.jsonl", 24, turns=2)  # about 36 s of work
-    cfg = make_config(ssh_conn_id="flaky_node", remote_regen=str(BIN / "regen"), prompts=str(prompts),
-                      num_servers=1, num_shards=1, concurrency_per_server=4, sim_tokens_per_second=60,
-                      extra_server_args=["--sim-request-log", str(log)])
-    run("start_servers", cfg, served_model_path=run("stage_weights", cfg).path)
     journal = RunLayout(cfg.output).journal(0, 1)
     deadline_s = 12.0
-    try:
-        outcome: dict = {}
+    outcome: dict = {}
 
-        def attempt() -> None:
-            try:
-                outcome["result"] = run("generate", cfg, shards=[0], deadline_s=deadline_s)
-            except RemoteError as exc:
-                outcome["error"] = exc
+    def attempt() -> None:
+        try:
+            outcome["result"] = run("generate", cfg, shards=[0], deadline_s=deadline_s)
+        except RemoteError as exc:
+            outcome["error"] = exc
 
-        worker = threading.Thread(target=attempt)
-        started = time.monotonic()
-        worker.start()
-        wait_until(lambda: len(list(Journal.rows(journal))) >= 3, 60, "conversations finished on the node")
-        relay.hang()
-        worker.join(timeout=120)
-        elapsed = time.monotonic() - started
-        assert "error" in outcome, outcome
-        assert "on flaky_node did not end within 17 s" in str(outcome["error"])
-        assert deadline_s + 5 <= elapsed < deadline_s + 5 + 15
-        wait_until(lambda: processes_with_args("run-stage", "generate") == [], 60, "the node's attempt stopped")
-        finished = {r["id"] for r in Journal.rows(journal)}
-        turns_done = Counter()
-        for row in Journal.rows(journal, partial=True):
-            turns_done[row["id"]] = max(turns_done[row["id"]], row["turn"] + 1)
-        assert 0 < len(finished) < 24  # the node stopped at its deadline, mid-shard
+    worker = threading.Thread(target=attempt)
+    started = time.monotonic()
+    worker.start()
+    wait_until(lambda: journaled(cfg) >= 3, 60, "conversations finished on the node")
+    relay.hang_new = True
+    relay.hang()
+    worker.join(timeout=120)
+    elapsed = time.monotonic() - started
+    assert "error" in outcome, outcome
+    assert "on flaky_node did not end within 17 s" in str(outcome["error"])
+    assert deadline_s + 5 <= elapsed < deadline_s + 5 + 15  # the job's stop is tried, briefly
+    wait_until(lambda: processes_with_args("run-stage", "generate") == [], 60, "the node's attempt stopped")
+    finished = {r["id"] for r in Journal.rows(journal)}
+    turns_done = Counter()
+    for row in Journal.rows(journal, partial=True):
+        turns_done[row["id"]] = max(turns_done[row["id"]], row["turn"] + 1)
+    assert 0 < len(finished) < 24  # the node stopped at its deadline, mid-shard
 
-        log.unlink()
-        run("generate", cfg, shards=[0])  # the retry: a new connection, which the link carries
-        requested = Counter()
-        for line in log.read_text().splitlines():
-            users = [m["content"] for m in json.loads(line)["messages"] if m["role"] == "user"]
-            requested[(users[0].split(",")[0], len(users) - 1)] += 1
-        expected = Counter({(f"Conversation {i}", k): 1 for i in range(24) if f"c{i}" not in finished
-                            for k in range(turns_done[f"c{i}"], 2)})
-        assert requested == expected
-        import pandas as pd
-
-        assert sorted(pd.read_parquet(Path(cfg.output) / "data")["id"]) == sorted(f"c{i}" for i in range(24))
-    finally:
-        run("stop_servers", cfg)
-        relay.close()
+    log.unlink()
+    relay.hang_new = False
+    run("generate", cfg, shards=[0])  # the retry: a new connection, which the link carries again
+    expected = Counter({(f"Conversation {i}", k): 1 for i in range(24) if f"c{i}" not in finished
+                        for k in range(turns_done[f"c{i}"], 2)})
+    assert requested_turns(log) == expected
+    assert output_ids(cfg) == sorted(f"c{i}" for i in range(24))
 
 
 def test_a_remote_failure_carries_the_nodes_message_and_type(node, tmp_path):
