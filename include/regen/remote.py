@@ -28,7 +28,9 @@ import json
 import logging
 import secrets
 import shlex
+import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -185,6 +187,33 @@ def stop_job(conn_id: str, folder: str) -> None:
         log.warning("could not stop the job %s on %s (%s); it stops at its own deadline", folder, conn_id, exc)
 
 
+class TaskStopped(BaseException):
+    """SIGTERM reached the process that follows a job: the job must stop with it."""
+
+
+@contextlib.contextmanager
+def stopped_by_sigterm():
+    """SIGTERM raises TaskStopped while a job is followed, after the handler that was there
+    (Airflow's task runner calls the task's on_kill and returns). Airflow stops a task with
+    SIGINT, then SIGTERM, then SIGKILL, and SIGINT is ignored by a worker started in the
+    background; without this the job would outlive its task. Only the main thread gets signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):
+        if callable(previous):
+            previous(signum, frame)
+        raise TaskStopped(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class LinkDropped(Exception):
     """The SSH link to the node broke or went silent; the job on the node goes on."""
 
@@ -192,8 +221,6 @@ class LinkDropped(Exception):
 def link_alive(transport, within_s: float) -> bool:
     """Whether the node's sshd answers a keepalive within ``within_s``: a quiet stage and a dead
     link look alike on the channel."""
-    import threading
-
     answered = threading.Event()
 
     def ask() -> None:
@@ -344,8 +371,9 @@ def run_stage(cfg: RunConfig, name: str, kwargs: dict) -> dict:
     marker = f"regen-result-{secrets.token_hex(16)} "
     deadline = stage(name).deadline(cfg.servers.startup_timeout_s, kwargs) + DEADLINE_GRACE_S
     content = stage_input(cfg)
-    out = run_detached(cfg.ssh_conn_id, job_id(name, kwargs, content), stage_argv(cfg, name, kwargs, marker, "{upload}"),
-                       upload=content, result_marker=marker, deadline_s=deadline)
+    with stopped_by_sigterm():
+        out = run_detached(cfg.ssh_conn_id, job_id(name, kwargs, content), stage_argv(cfg, name, kwargs, marker, "{upload}"),
+                           upload=content, result_marker=marker, deadline_s=deadline)
     if out.result is None:
         raise RemoteError(f"`regen run-stage {name}` on {cfg.ssh_conn_id} exited with "
                           f"{out.exit_code} without a result:\n{out.tail()}")
