@@ -299,7 +299,7 @@ class Follower:
 
 
 def run_detached(conn_id: str, job: str, argv: list[str], upload: str, result_marker: str,
-                 deadline_s: float | None = None, keep_lines: int = 500) -> RemoteOutput:
+                 deadline_s: float | None = None) -> RemoteOutput:
     """``argv`` as a job detached on the node, followed until it ends: a link that drops or goes
     silent is reconnected and the job re-attached where its log was left; a retry of the same
     stage follows the job its attempt left running. ``upload`` goes to a private file first,
@@ -307,7 +307,7 @@ def run_detached(conn_id: str, job: str, argv: list[str], upload: str, result_ma
     or when the task is stopped."""
     folder = "/".join((*JOBS_DIR, job))
     ends = None if deadline_s is None else time.monotonic() + deadline_s
-    follower = Follower(conn_id, folder, keep_lines)
+    follower = Follower(conn_id, folder)
     client = open_client(conn_id)
     launched = False
     try:
