@@ -12,7 +12,8 @@ so no GPU idles through the audit. A run over several GPU nodes (`nodes`) has ea
 on its queue, all nodes at once; each shard claims the node with free capacity when it starts.
 
 Nothing that costs GPU time starts before `preflight` has compiled the code, validated the config,
-the prompts and the chat template. Clearing a failed shard resumes it where it stopped.
+the prompts and the chat template. Clearing a failed shard resumes it where it stopped. A run
+marked failed by hand stops its servers and ends failed (`stop_servers` fails it).
 Outputs: `OUTPUT/data/*.parquet`, `OUTPUT/progress.json`, `OUTPUT/audit/report.html`.
 
 The DAG only wires tasks; each task is one call of `regen.pipeline.run` with a stage's name
@@ -163,7 +164,20 @@ def audit() -> dict:
 
 @task(retries=1, retry_delay=timedelta(seconds=5), **_deadline("stop_servers"))
 def stop_servers(node: str) -> int:
-    return _run("stop_servers", node=node).stopped
+    """The node's servers stopped, whatever became of the run; then the run failed if a person
+    marked it failed (regen.dags.runstate: Airflow would let it end green)."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from regen.dags.runstate import marked_failed_by_hand
+
+    stopped = _run("stop_servers", node=node).stopped
+    context = get_current_context()
+    run_id = context["run_id"]
+    states = context["ti"].get_task_states(dag_id=context["dag"].dag_id, run_ids=[run_id]).get(run_id, {})
+    reason = marked_failed_by_hand(states, {t.task_id for t in context["dag"].tasks if t.is_teardown})
+    if reason:
+        raise AirflowFailException(f"{stopped} server(s) stopped; {reason}")
+    return stopped
 
 
 def regeneration_dag(run: RunDefinition):
@@ -195,7 +209,7 @@ def regeneration_dag(run: RunDefinition):
             servers = start_servers.override(task_id=spec.task_id("start_servers"), **on_node)(model, spec.name)
             servers >> checked
             generated >> stop_servers.override(task_id=spec.task_id("stop_servers"), **on_node)(
-                spec.name).as_teardown(setups=servers)
+                spec.name).as_teardown(setups=servers, on_failure_fail_dagrun=True)
         gate = approval_gate()
         approvers = [{"id": user, "name": user} for user in run.config.canary.approvers] or None
         approve = ApprovalOperator(task_id="approve", subject="regen: start generating {{ dag_run.dag_id }}?",

@@ -94,8 +94,26 @@ def test_stages_are_wired_in_order_with_a_teardown():
     assert down["approval_gate"] == {"approve", "generate"} and down["approve"] == {"generate"}
     assert down["generate"] >= {"audit", "stop_servers"}
     assert dag.get_task("start_servers").is_setup
-    assert dag.get_task("stop_servers").is_teardown
+    assert dag.get_task("stop_servers").is_teardown and dag.get_task("stop_servers").on_failure_fail_dagrun
     assert dag.get_task("generate").map_index_template == "{{ shard_label }}"
+
+
+def test_only_a_run_marked_failed_is_failed_by_its_teardown():
+    """The states Airflow 3.3 leaves (test_ui marks a real run): a marking fails the running tasks
+    and skips the audit; a shard that fails by itself leaves the audit upstream_failed; a
+    rejected approval skips the shards and fails nothing."""
+    from regen.dags.runstate import marked_failed_by_hand
+
+    teardowns = {"stop_servers"}
+    marked = {"canary": "success", "approve": "skipped", "generate_0": "failed", "generate_1": "skipped",
+              "audit": "skipped", "stop_servers": "running"}
+    assert "marked failed while generate_0 ran" in marked_failed_by_hand(marked, teardowns)
+    failed_alone = {**marked, "generate_1": "failed", "audit": "upstream_failed"}
+    assert marked_failed_by_hand(failed_alone, teardowns) is None
+    rejected = {"canary": "success", "approve": "success", "generate": "skipped", "audit": "skipped",
+                "stop_servers": "running"}
+    assert marked_failed_by_hand(rejected, teardowns) is None
+    assert marked_failed_by_hand({**rejected, "stop_servers": "failed"}, teardowns) is None  # its own failure
 
 
 def test_model_output_in_the_approval_body_stays_text():

@@ -16,6 +16,7 @@ from regen.dispatch import ClientTuning
 from regen.errors import ShardFailed
 from regen.generate import ShardRun
 from regen.layout import shard_name
+from regen.status import SHARD_SILENT_S, attention, with_stopped_shards
 from regen.store import Journal, ShardStore
 from support.data import read_ids, turn_requests
 from support.engines import sim_requests_total, sim_running
@@ -177,6 +178,18 @@ def test_sigkill_at_half_then_rerun_gives_every_id_once_and_resends_nothing(sim_
         wait_until(lambda: sim_running(r.url) == 0, timeout=30)
     kept = {row["id"] for row in Journal.rows(journal)}
     assert total // 2 <= len(kept) < total
+    # The killed attempt's shard still says "running": shown stopped once it has been silent.
+    progress = json.loads((out / "progress.json").read_text())
+    assert progress["shards"]["shard-00000"]["state"] == "running"
+    assert with_stopped_shards(progress)["shards"]["shard-00000"]["state"] == "running"
+    later = with_stopped_shards(progress, now=progress["shards"]["shard-00000"]["updated"] + SHARD_SILENT_S + 1)
+    assert later["shards"]["shard-00000"]["state"] == "stopped"
+    [stopped] = attention(later, None)
+    assert stopped["kind"] == "stopped"
+    assert stopped["what"] == "1 shard stopped unfinished (0/1): no word from its attempt for 2 min"
+    [rows_kept] = stopped["details"]
+    assert rows_kept.startswith("shard 0/1 on ") and rows_kept.endswith(
+        f": {progress['shards']['shard-00000']['done']:,} of {total:,} rows kept")
     turns = turn_requests(PROMPTS)
     answered = {row["id"]: row["turn"] + 1 for row in Journal.rows(journal, partial=True) if row["id"] not in kept}
     sent_before = sum(sim_requests_total(r.url) for r in records)

@@ -1,8 +1,9 @@
 """The run page in a real Airflow: `airflow standalone` on loopback, a run triggered through the
 REST API, the page checked in headless Chromium (Debian's), and refused without a token.
 
-Costs about three minutes (standalone start-up, four runs). Saves screenshots to test-artifacts/:
-run-page.png, samples-viewer.png, run-page-canary-failed.png and run-page-failed-shards.png.
+Costs about four minutes (standalone start-up, six runs). Saves screenshots to test-artifacts/:
+run-page.png, samples-viewer.png, run-page-canary-failed.png, run-page-failed-shards.png,
+run-page-audit-failed.png and run-page-stopped.png.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from support.airflow import fault_config, trigger_run, wait_run
+from support.airflow import assert_no_server_left, fault_config, trigger_run, wait_run
 from support.paths import ROOT
 from support.processes import wait_until
 
@@ -166,6 +167,47 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
         assert "next: the servers failed on these requests" in alert
         assert "HTTP 500" in page.inner_text("#shards") and page.inner_text("#canary-verdict") == "passed"
         page.screenshot(path=str(ARTIFACTS / "run-page-failed-shards.png"), full_page=True)
+
+        # The audit catches what the canary could not see (thinking lost after the canary), and a
+        # run a person marks failed mid-shard (the UI's PATCH): it ends failed, not green by
+        # Airflow's teardown rule, its servers stopped and its unfinished shards shown stopped.
+        lost = make_config(output=str(tmp_path / "thinking-lost"), sim_tokens_per_second=2000,
+                           extra_server_args=["--sim-ignore-thinking-after", "6"])
+        audit_failed = trigger_run(api, lost, airflow["config_dir"])  # its fault flag is the deployment's:
+        assert wait_run(api, audit_failed, 300) == "failed"  # the next run's deployment waits
+        page = context.new_page()
+        page.goto(f"{base}/regen/runs/regenerate_dataset/{audit_failed}")
+        page.wait_for_selector("#verdict", timeout=30000)
+        assert page.inner_text("#verdict") == "FAIL" and page.inner_text("#canary-verdict") == "passed"
+        alert = page.inner_text("#attention")
+        assert "audit FAIL: the data is not fit to train on" in alert and "next: read the report" in alert
+        page.screenshot(path=str(ARTIFACTS / "run-page-audit-failed.png"), full_page=True)
+
+        def shards_under_way() -> bool:
+            shards = httpx.get(f"{base}/regen/runs/regenerate_dataset/{stopped}/data", headers=headers,
+                               timeout=30).json()["progress"].get("shards", {})
+            return any(s["state"] == "running" and s.get("done", 0) > 0 for s in shards.values())
+
+        slow = make_config(output=str(tmp_path / "stopped"), num_shards=2, sim_tokens_per_second=150)
+        stopped = trigger_run(api, slow, airflow["config_dir"])
+        wait_until(shards_under_way, 300, "the slow run's shards under way")
+        marked = api.patch(f"/dags/regenerate_dataset/dagRuns/{stopped}", json={"state": "failed"})
+        assert marked.status_code == 200, marked.text
+        assert wait_run(api, stopped, 300) == "failed"
+        states = {(ti["task_id"], ti["map_index"]): ti["state"] for ti in
+                  api.get(f"/dags/regenerate_dataset/dagRuns/{stopped}/taskInstances").json()["task_instances"]}
+        assert states[("audit", -1)] == "skipped" and states[("stop_servers", -1)] == "failed", states
+        assert "failed" in {states.get(("generate", i)) for i in range(2)}, states
+        assert_no_server_left(slow)
+        page = context.new_page()
+        page.goto(f"{base}/regen/runs/regenerate_dataset/{stopped}")
+        page.wait_for_selector("#attention .stopped", timeout=30000)
+        alert = page.inner_text("#attention .stopped")
+        assert "stopped unfinished" in alert and "the run is failed in Airflow" in alert
+        assert "next: clear the whole run ('only failed' unticked" in alert
+        summary = page.inner_text("#summary")
+        assert "stopped" in page.inner_text("#shards") and "run failed" in summary and ", 0 tok/s" in summary
+        page.screenshot(path=str(ARTIFACTS / "run-page-stopped.png"), full_page=True)
         browser.close()
 
     # Another DAG's run: not served, whatever its conf says.

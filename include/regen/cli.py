@@ -26,7 +26,7 @@ from regen.files import read_json
 from regen.objectstore import is_store_url, local_path
 from regen.pipeline import execute, run
 from regen.preflight import PreflightFailed
-from regen.status import attention
+from regen.status import attention, with_stopped_shards
 from regen.tinymodel import build_tiny_model
 
 EXIT_FAILED = 1
@@ -256,7 +256,7 @@ def cmd_progress(args) -> int:
 def cmd_summary(args) -> int:
     """Where the dataset and the report are, and the audit's five lines: readable in seconds."""
     layout = load_config(args).layout
-    progress = read_json(layout.progress_file) or {}
+    progress = with_stopped_shards(read_json(layout.progress_file) or {})
     print(f"dataset:  {layout.data}  ({progress.get('done', 0):,} rows done, "
           f"{progress.get('failed', 0):,} failed, of {progress.get('total', 0):,})")
     print(f"progress: {layout.progress_file}")

@@ -4,6 +4,7 @@ the audit's summary, and each node's part (what the run page and `regen progress
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from regen.files import json_lines, read_in_folder
 from regen.layout import RunLayout
 from regen.results import RunStatus
 from regen.servers.records import read_state
+from regen.units import format_duration
 
 HISTORY_POINTS = 2000
 # What one poll of the run page reads at most, per file: a progress document of thousands of
@@ -106,6 +108,10 @@ NEXT_STEPS = (
     ("cannot write", "the output's disk or store refused a write: free space or fix its permissions"),
 )
 SHARDS_NAMED = 5  # per kind of failure, on the page and in `regen summary`
+# A running shard writes its progress every few seconds (regen.dispatch's progress_interval_s):
+# one silent this long has no attempt behind it.
+SHARD_SILENT_S = 120.0
+RUN_ENDED = ("success", "failed")
 RESUME = "then clear the failed shards (the run's Clear, 'only failed'): each resumes from what it finished"
 
 
@@ -118,31 +124,69 @@ def next_step(*texts: str | None) -> str:
     return RESUME[0].upper() + RESUME[1:].removeprefix("hen ")
 
 
+def with_stopped_shards(progress: dict, run_state: str | None = None, now: float | None = None) -> dict:
+    """``progress`` with each shard that says "running" but has no attempt behind it shown as
+    stopped: its run ended in Airflow (a run marked failed by hand ends its attempts before they
+    can say so), or it wrote nothing for SHARD_SILENT_S (an attempt killed, a node gone)."""
+    now = time.time() if now is None else now
+    shards = {}
+    for name, shard in (progress.get("shards") or {}).items():
+        if shard.get("state") == "running":
+            silent = now - shard.get("updated", now)
+            if run_state in RUN_ENDED:
+                shard = {**shard, "state": "stopped", "stopped_why": f"the run is {run_state} in Airflow"}
+            elif silent > SHARD_SILENT_S:
+                shard = {**shard, "state": "stopped",
+                         "stopped_why": f"no word from its attempt for {format_duration(silent)}"}
+        shards[name] = shard
+    if not any(s.get("state") == "stopped" for s in shards.values()):
+        return progress
+    running = [s for s in shards.values() if s.get("state") == "running"]  # the rate is theirs alone
+    return {**progress, "shards": shards, "tokens_per_s": round(sum(s.get("tokens_per_s", 0.0) for s in running), 1),
+            "eta_s": progress.get("eta_s") if running else None}
+
+
+def _rows_kept(shard: dict) -> str:
+    return (f"shard {shard.get('shard')}/{shard.get('num_shards')}" + (f" on {shard['node']}" if shard.get("node") else "")
+            + f": {shard.get('done', 0):,} of {shard.get('total', 0):,} rows kept")
+
+
 def attention(progress: dict, audit: dict | None) -> list[dict[str, Any]]:
-    """What went wrong and what to do, most urgent first: a failed canary and its problems, each
-    failed shard's reason, last error and next step, a failed audit and why. Empty: nothing to do."""
+    """What went wrong and what to do, most urgent first: shards stopped unfinished (see
+    with_stopped_shards), a failed canary and its problems, each failed shard's reason, last
+    error and next step, a failed audit and why. Empty: nothing to do. Each item's ``kind`` is
+    "stopped" or "problem"."""
     items = []
+    by_shard = sorted((progress.get("shards") or {}).values(), key=lambda s: s.get("shard", 0))
+    stopped = [s for s in by_shard if s.get("state") == "stopped"]
+    if stopped:
+        names = ", ".join(f"{s.get('shard')}/{s.get('num_shards')}" for s in stopped[:SHARDS_NAMED])
+        more = f" and {len(stopped) - SHARDS_NAMED} more" if len(stopped) > SHARDS_NAMED else ""
+        items.append({"kind": "stopped",
+                      "what": f"{len(stopped)} shard{'s' if len(stopped) > 1 else ''} stopped unfinished ({names}{more}): "
+                              f"{stopped[0]['stopped_why']}",
+                      "details": [_rows_kept(s) for s in stopped[:SHARDS_NAMED]],
+                      "next": "clear the whole run ('only failed' unticked: a run marked failed skipped its audit); "
+                              "each shard resumes from what it finished"})
     canary = progress.get("canary") or {}
     if canary.get("passed") is False:
-        items.append({"what": f"canary failed: {len(canary.get('problems') or [])} problem(s); no shard started",
+        items.append({"kind": "problem", "what": f"canary failed: {len(canary.get('problems') or [])} problem(s); no shard started",
                       "details": [p[:600] for p in canary.get("problems") or []],
                       "next": "fix what each problem names (a field: trigger a new run with it changed), then run again"})
     failed: dict[str, list[dict]] = {}  # by next step: 64 shards failing alike are one item
-    for s in sorted((progress.get("shards") or {}).values(), key=lambda s: s.get("shard", 0)):
+    for s in by_shard:
         if s.get("state") == "failed":
             failed.setdefault(next_step(s.get("reason"), s.get("last_error")), []).append(s)
     for step, shards in failed.items():
         names = ", ".join(f"{s.get('shard')}/{s.get('num_shards')}" for s in shards[:SHARDS_NAMED])
         more = f" and {len(shards) - SHARDS_NAMED} more" if len(shards) > SHARDS_NAMED else ""
         details = [shards[0]["reason"]] if shards[0].get("reason") else []
-        details += [f"shard {s.get('shard')}/{s.get('num_shards')}" + (f" on {s['node']}" if s.get("node") else "")
-                    + f": {s.get('done', 0):,} of {s.get('total', 0):,} rows kept"
-                    + (f"; last failed prompt: {s['last_error']}" if s.get("last_error") else "")
+        details += [_rows_kept(s) + (f"; last failed prompt: {s['last_error']}" if s.get("last_error") else "")
                     for s in shards[:SHARDS_NAMED]]
-        items.append({"what": f"{len(shards)} shard{'s' if len(shards) > 1 else ''} failed ({names}{more})",
+        items.append({"kind": "problem", "what": f"{len(shards)} shard{'s' if len(shards) > 1 else ''} failed ({names}{more})",
                       "details": details, "next": step})
     if audit and audit.get("verdict") == "FAIL":
-        items.append({"what": "audit FAIL: the data is not fit to train on",
+        items.append({"kind": "problem", "what": "audit FAIL: the data is not fit to train on",
                       "details": audit.get("reasons") or audit.get("summary", [])[:1],
                       "next": "read the report (histograms, worst samples); fix the cause, then regenerate"})
     return items
@@ -151,7 +195,7 @@ def attention(progress: dict, audit: dict | None) -> list[dict[str, Any]]:
 def status(cfg: RunConfig) -> RunStatus:
     """The status stage: run_data of the run's output, read where the output lives."""
     data = run_data(cfg.layout)
-    progress = data["progress"]
+    progress = data["progress"] = with_stopped_shards(data["progress"])
     return RunStatus(**data, nodes=node_view(cfg, progress), attention=attention(progress, data["audit"]),
                      summary=f"{progress.get('done', 0):,} of {progress.get('total', 0):,} done, "
                              f"{progress.get('failed', 0):,} failed")

@@ -15,6 +15,7 @@ import secrets
 from regen.config import ConfigError, RunConfig
 from regen.dags.definitions import NotRegenDag, triggered_config
 from regen.pipeline import run
+from regen.status import attention, with_stopped_shards
 
 PAGE_CSP = ("default-src 'none'; script-src 'nonce-{nonce}'; style-src 'unsafe-inline'; connect-src 'self'; "
             "frame-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'self'")
@@ -110,12 +111,14 @@ def create_app():
     @app.get("/runs/{dag_id}/{run_id}/data", dependencies=guard)
     def data(dag_id: str, run_id: str) -> dict:
         """The run's output as the status stage reads it, and the run's state in Airflow (a run
-        marked failed by hand leaves shards that still say "running": the page says stopped)."""
+        marked failed by hand leaves shards that still say "running": they are shown stopped)."""
         cfg, state = config_of(dag_id, run_id)
         try:
-            return {**config_data(cfg), "run_state": state}
+            data = config_data(cfg)
         except TimeoutError as exc:
             raise HTTPException(504, str(exc)) from None
+        data["progress"] = with_stopped_shards(data["progress"], state)
+        return {**data, "attention": attention(data["progress"], data["audit"]), "run_state": state}
 
     @app.get("/runs/{dag_id}/{run_id}/report", dependencies=guard)
     def report(dag_id: str, run_id: str):
@@ -193,20 +196,13 @@ async function refresh() {
   const r = await fetch(location.pathname.replace(/\/$/, "") + "/data", {credentials: "same-origin"});
   if (!r.ok) { document.getElementById("summary").textContent = "error " + r.status; return; }
   const d = await r.json(), p = d.progress || {}, canary = p.canary || {};
-  // A run marked failed (or stopped) in Airflow: its shards never got to say so.
   const ended = ["failed", "success"].includes(d.run_state);
-  const shards = Object.values(p.shards || {}).sort((a, b) => a.shard - b.shard)
-    .map(s => ended && s.state === "running" ? {...s, state: "stopped"} : s);
-  const stopped = shards.filter(s => s.state === "stopped");
+  const shards = Object.values(p.shards || {}).sort((a, b) => a.shard - b.shard);
   document.getElementById("summary").replaceChildren(
     el("b", {}, fmt(p.done)), ` of ${fmt(p.total)} done, ${fmt(p.failed)} failed, ${fmt(Math.round(p.tokens_per_s || 0))} tok/s, ETA ${ended ? "-" : dur(p.eta_s)}`,
     d.run_state ? ` \u00b7 run ${d.run_state}` : "",
     " \u00b7 ", el("span", {class: "muted", id: "output"}, d.output));
-  const todo = (d.attention || []).slice();
-  if (stopped.length) todo.unshift({kind: "stopped", what: `run stopped (${d.run_state} in Airflow) with ${stopped.length} shard(s) unfinished`,
-    details: stopped.map(s => `shard ${s.shard}/${s.num_shards}: ${fmt(s.done)} of ${fmt(s.total)} rows kept`),
-    next: "clear the run (or its generate tasks) to resume: finished rows are kept"});
-  document.getElementById("attention").replaceChildren(...todo.map(t => el("div", {class: t.kind === "stopped" ? "stopped" : "problem"},
+  document.getElementById("attention").replaceChildren(...(d.attention || []).map(t => el("div", {class: t.kind},
     el("b", {}, t.what), el("ul", {}, ...t.details.map(x => el("li", {}, x))), el("div", {class: "next"}, "next: " + t.next))));
   if (canary.passed !== undefined) {
     const est = canary.estimate || {};
