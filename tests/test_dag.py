@@ -99,9 +99,10 @@ def test_stages_are_wired_in_order_with_a_teardown():
 
 
 def test_only_a_run_marked_failed_is_failed_by_its_teardown():
-    """The states Airflow 3.3 leaves (test_ui marks a real run): a marking fails the running tasks
-    and skips the audit; a shard that fails by itself leaves the audit upstream_failed; a
-    rejected approval skips the shards and fails nothing."""
+    """The states Airflow 3.3 leaves (test_ui marks a real run, then clears it): a marking fails
+    the running tasks and skips the audit, which a clear of only the failed tasks leaves skipped;
+    a shard that fails by itself leaves the audit upstream_failed; a rejected approval skips the
+    shards and fails nothing."""
     from regen.dags.runstate import marked_failed_by_hand
 
     teardowns = {"stop_servers"}
@@ -114,6 +115,8 @@ def test_only_a_run_marked_failed_is_failed_by_its_teardown():
                 "stop_servers": "running"}
     assert marked_failed_by_hand(rejected, teardowns) is None
     assert marked_failed_by_hand({**rejected, "stop_servers": "failed"}, teardowns) is None  # its own failure
+    cleared_only_failed = {**marked, "generate_0": "success", "stop_servers": "running"}  # the audit stays skipped
+    assert "cleared with 'only failed'" in marked_failed_by_hand(cleared_only_failed, teardowns)
 
 
 def test_model_output_in_the_approval_body_stays_text():

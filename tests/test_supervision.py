@@ -21,7 +21,7 @@ from regen.layout import RunLayout
 from regen.pipeline import run
 from regen.servers.lifecycle import launch_servers, stop_records
 from regen.servers.records import read_state
-from support.airflow import fault_config, trigger_run, wait_run
+from support.airflow import assert_clean_success, fault_config, shard_states, trigger_run, wait_run
 from support.data import read_ids, write_prompts
 from support.engines import sim_requests_total
 from support.paths import BIN
@@ -245,19 +245,6 @@ def test_a_shard_that_finds_no_servers_brings_them_up_itself(make_config):
 
 
 # --- under a real scheduler: every Airflow retry path -----------------------------------------
-
-def shard_states(api, run_id):
-    tis = api.get(f"/dags/regenerate_dataset/dagRuns/{run_id}/taskInstances", params={"limit": 100}).json()
-    return {(t["task_id"], t["map_index"]): t["state"] for t in tis["task_instances"]}
-
-
-def assert_clean_success(api, run_id, cfg):
-    assert wait_run(api, run_id, 300) == "success", sorted(shard_states(api, run_id).items())
-    df = pd.read_parquet(Path(cfg.output) / "data")
-    assert sorted(df["id"]) == sorted(read_ids(Path(cfg.prompts))) and df["id"].is_unique
-    assert df["error"].isna().all()
-    wait_until(lambda: processes_with_args("--port", str(cfg.servers.base_port)) == [], 30, "no server left")
-
 
 @pytest.mark.slow
 def test_failed_shards_resume_from_either_clear_the_ui_offers(airflow, make_config, tmp_path):

@@ -1,7 +1,7 @@
 """The run page in a real Airflow: `airflow standalone` on loopback, a run triggered through the
 REST API, the page checked in headless Chromium (Debian's), and refused without a token.
 
-Costs about four minutes (standalone start-up, six runs). Saves screenshots to test-artifacts/:
+Costs about six minutes (standalone start-up, six runs, one of them cleared twice). Saves screenshots to test-artifacts/:
 run-page.png, samples-viewer.png, run-page-canary-failed.png, run-page-failed-shards.png,
 run-page-audit-failed.png and run-page-stopped.png.
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from support.airflow import assert_no_server_left, fault_config, trigger_run, wait_run
+from support.airflow import (assert_clean_success, assert_no_server_left, fault_config, shard_states,
+                             trigger_run, wait_run)
 from support.paths import ROOT
 from support.processes import wait_until
 
@@ -194,8 +195,7 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
         marked = api.patch(f"/dags/regenerate_dataset/dagRuns/{stopped}", json={"state": "failed"})
         assert marked.status_code == 200, marked.text
         assert wait_run(api, stopped, 300) == "failed"
-        states = {(ti["task_id"], ti["map_index"]): ti["state"] for ti in
-                  api.get(f"/dags/regenerate_dataset/dagRuns/{stopped}/taskInstances").json()["task_instances"]}
+        states = shard_states(api, stopped)
         assert states[("audit", -1)] == "skipped" and states[("stop_servers", -1)] == "failed", states
         assert "failed" in {states.get(("generate", i)) for i in range(2)}, states
         assert_no_server_left(slow)
@@ -209,6 +209,20 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
         assert "stopped" in page.inner_text("#shards") and "run failed" in summary and ", 0 tok/s" in summary
         page.screenshot(path=str(ARTIFACTS / "run-page-stopped.png"), full_page=True)
         browser.close()
+
+    # Cleared with "only failed" ticked, the failed shards resume but the skipped audit would not
+    # run: the teardown fails the run again, saying why. The whole run's Clear, as the page says,
+    # resumes every shard and audits.
+    assert api.post(f"/dags/regenerate_dataset/dagRuns/{stopped}/clear",
+                    json={"dry_run": False, "only_failed": True}).status_code == 200
+    assert wait_run(api, stopped, 300) == "failed"
+    states = shard_states(api, stopped)
+    assert states[("audit", -1)] == "skipped" and states[("stop_servers", -1)] == "failed", states
+    assert "failed" not in {states.get(("generate", i)) for i in range(2)}, states
+    assert api.post(f"/dags/regenerate_dataset/dagRuns/{stopped}/clear",
+                    json={"dry_run": False, "only_failed": False}).status_code == 200
+    assert_clean_success(api, stopped, slow)
+    assert shard_states(api, stopped)[("audit", -1)] == "success"
 
     # Another DAG's run: not served, whatever its conf says.
     wait_until(lambda: api.get("/dags/not_regen").status_code == 200, 120, "the other DAG parsed")

@@ -107,6 +107,25 @@ def wait_run(api, run_id: str, timeout: float, dag_id: str = "regenerate_dataset
     return api.get(path).json()["state"]
 
 
+def shard_states(api, run_id: str) -> dict[tuple[str, int], str]:
+    """Every task instance's state, by (task_id, map_index)."""
+    tis = api.get(f"/dags/regenerate_dataset/dagRuns/{run_id}/taskInstances", params={"limit": 100}).json()
+    return {(t["task_id"], t["map_index"]): t["state"] for t in tis["task_instances"]}
+
+
+def assert_clean_success(api, run_id: str, cfg) -> None:
+    """The run ends green with every prompt's row once, none an error, and no server left."""
+    import pandas as pd
+
+    from support.data import read_ids
+
+    assert wait_run(api, run_id, 300) == "success", sorted(shard_states(api, run_id).items())
+    df = pd.read_parquet(Path(cfg.output) / "data")
+    assert sorted(df["id"]) == sorted(read_ids(Path(cfg.prompts))) and df["id"].is_unique
+    assert df["error"].isna().all()
+    wait_until(lambda: processes_with_args("--port", str(cfg.servers.base_port)) == [], 30, "no server left")
+
+
 OTHER_DAG = """
 from airflow.sdk import dag, task
 

@@ -1,29 +1,32 @@
-"""A run marked failed by hand must end failed.
+"""A run marked failed by hand must end failed, and a run must not end green unaudited.
 
 Airflow 3.3 marks a run failed (the UI's "Mark as failed", a REST PATCH of its state) by failing
 its running tasks and skipping the pending ones, but it leaves teardowns to run and, while one is
 pending, leaves the run's state to the leaves: ``audit`` skipped and ``stop_servers`` done make a
-green run with every shard failed. The teardown reads the run's task states after its cleanup and
-fails, with ``on_failure_fail_dagrun``, when they show that marking.
+green run with every shard failed. The same run cleared with "only failed" ticked resumes its
+failed shards but not the skipped audit, and would end green unaudited. The teardown reads the
+run's task states after its cleanup and fails, with ``on_failure_fail_dagrun``, on either.
 """
 
 from __future__ import annotations
 
 SHOWN = 5
+RESUME = ("this teardown fails the run so that it does not end green unaudited; to resume, clear the whole run "
+          "with 'only failed' unticked: finished rows are kept")
 
 
 def marked_failed_by_hand(states: dict[str, str | None], teardowns: set[str]) -> str | None:
     """Why the run must fail, from its task states (Airflow's ``get_task_states`` form: a mapped
-    task's instance is ``TASK_MAPINDEX``), or None. The audit is skipped only by a marking or
-    when the approval was rejected (nothing failed then); a natural failure leaves it
-    upstream_failed. A run marked failed while no task ran (only queued ones) is not told apart
-    from one marked success."""
+    task's instance is ``TASK_MAPINDEX``), or None. Only a marking skips the audit of a run whose
+    servers started, except a rejected approval (which skips the shards and fails nothing); a
+    shard that fails by itself leaves the audit upstream_failed. A run marked failed while no task
+    ran (only queued ones) is not told apart from one marked success."""
     if states.get("audit") != "skipped":
         return None
     failed = sorted(key for key, state in states.items() if state == "failed" and key not in teardowns)
-    if not failed:
-        return None
-    more = f" and {len(failed) - SHOWN} more" if len(failed) > SHOWN else ""
-    return (f"the run was marked failed while {', '.join(failed[:SHOWN])}{more} ran: this teardown fails it, "
-            "so that it does not end green (to resume, clear the whole run with 'only failed' unticked: the audit was "
-            "skipped; finished rows are kept)")
+    if failed:
+        more = f" and {len(failed) - SHOWN} more" if len(failed) > SHOWN else ""
+        return f"the run was marked failed while {', '.join(failed[:SHOWN])}{more} ran: {RESUME}"
+    if any(state == "success" for key, state in states.items() if key.rpartition("_")[0] == "generate"):
+        return f"the audit was skipped though shards ran (the run was marked failed, then cleared with 'only failed'): {RESUME}"
+    return None

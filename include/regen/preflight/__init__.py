@@ -115,11 +115,17 @@ def preflight(cfg: RunConfig, code: bool = True, run_id: str = "cli",
         manifest.update(history_reasoning=report.info["history_reasoning"])
     info = {k: v for k, v in report.info.items() if not k.startswith("_")}
     shards = shards_to_run(cfg)
-    if not shards and run_id != "cli":  # up to date: no task of this run will use the output
+    unaudited = not shards and run_id != "cli" and bool(manifest.read().get("audit_due"))
+    if shards:  # until the audit of the whole output clears it
+        manifest.update(audit_due=True)
+    elif unaudited:  # a run stopped before its audit: this one audits (its shards have nothing to send)
+        shards = list(range(cfg.num_shards))
+    elif run_id != "cli":  # up to date: no task of this run will use the output
         from regen.coordination import release_output
 
         release_output(cfg.layout, run_id)
-    work = (f"{len(shards)} of {cfg.num_shards} shards with work" if shards else
+    work = ("up to date, but never audited (a run stopped before its audit): this run sends nothing and audits it"
+            if unaudited else f"{len(shards)} of {cfg.num_shards} shards with work" if shards else
             "up to date: every prompt has a good row of this model and settings, nothing to send")
     return PreflightResult(shards=shards, up_to_date=not shards, info=info, seconds=round(report.seconds, 2),
                            summary=f"preflight passed in {report.seconds:.1f} s: "
