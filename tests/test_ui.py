@@ -145,6 +145,13 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
         assert page.evaluate("window.pwned") is None and dialogs == []
         assert page.locator("#summary img").count() == 0
 
+        def open_run(run: str, selector: str):
+            """The run's page in a new tab, once ``selector`` shows (the page's data has come)."""
+            tab = context.new_page()
+            tab.goto(f"{base}/regen/runs/regenerate_dataset/{run}")
+            tab.wait_for_selector(selector, timeout=30000)
+            return tab
+
         # What went wrong, first on the page: the seed's disaster caught by the canary, then
         # shards whose prompts the servers fail, each with its error and the next step.
         thinking_off = trigger_run(api, make_config(output=str(tmp_path / "thinking-off"), sim_ignore_thinking=True,
@@ -152,17 +159,13 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
         faulty, _ = fault_config(make_config, tmp_path, "faults")
         faults = trigger_run(api, faulty, airflow["config_dir"])
         assert wait_run(api, thinking_off, 300) == "failed" and wait_run(api, faults, 300) == "failed"
-        page = context.new_page()
-        page.goto(f"{base}/regen/runs/regenerate_dataset/{thinking_off}")
-        page.wait_for_selector("#canary-verdict", timeout=30000)
+        page = open_run(thinking_off, "#canary-verdict")
         assert page.inner_text("#canary-verdict") == "failed"
         alert = page.inner_text("#attention")
         assert "canary failed" in alert and "without reasoning while enable_thinking is on" in alert
         assert "next: fix what each problem names" in alert and "run failed" in page.inner_text("#summary")
         page.screenshot(path=str(ARTIFACTS / "run-page-canary-failed.png"), full_page=True)
-        page = context.new_page()
-        page.goto(f"{base}/regen/runs/regenerate_dataset/{faults}")
-        page.wait_for_selector("#attention .problem", timeout=30000)
+        page = open_run(faults, "#attention .problem")
         alert = page.inner_text("#attention")
         assert "3 shards failed (0/3, 1/3, 2/3)" in alert and "HTTP 500: simulated internal error" in alert
         assert "next: the servers failed on these requests" in alert
@@ -176,9 +179,7 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
                            extra_server_args=["--sim-ignore-thinking-after", "6"])
         audit_failed = trigger_run(api, lost, airflow["config_dir"])  # its fault flag is the deployment's:
         assert wait_run(api, audit_failed, 300) == "failed"  # the next run's deployment waits
-        page = context.new_page()
-        page.goto(f"{base}/regen/runs/regenerate_dataset/{audit_failed}")
-        page.wait_for_selector("#verdict", timeout=30000)
+        page = open_run(audit_failed, "#verdict")
         assert page.inner_text("#verdict") == "FAIL" and page.inner_text("#canary-verdict") == "passed"
         alert = page.inner_text("#attention")
         assert "audit FAIL: the data is not fit to train on" in alert and "next: read the report" in alert
@@ -199,9 +200,7 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
         assert states[("audit", -1)] == "skipped" and states[("stop_servers", -1)] == "failed", states
         assert "failed" in {states.get(("generate", i)) for i in range(2)}, states
         assert_no_server_left(slow)
-        page = context.new_page()
-        page.goto(f"{base}/regen/runs/regenerate_dataset/{stopped}")
-        page.wait_for_selector("#attention .stopped", timeout=30000)
+        page = open_run(stopped, "#attention .stopped")
         alert = page.inner_text("#attention .stopped")
         assert "stopped unfinished" in alert and "the run is failed in Airflow" in alert
         assert "next: clear the whole run ('only failed' unticked" in alert
