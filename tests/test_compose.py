@@ -3,6 +3,7 @@ command it names exists and agrees with the project."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 
@@ -272,3 +273,37 @@ def test_the_gpu_image_is_sglangs_own_at_the_pinned_version_with_regen_on_path()
     assert f"--uid {uid} " in gpu and "ENTRYPOINT [\"airflow\"]" in gpu
     two_nodes = yaml.safe_load((ROOT / "deploy" / "two_nodes.yaml").read_text())
     assert two_nodes["engine_python"] == "/usr/bin/python3"  # the image's SGLang, not the Airflow venv
+
+
+# SGLang's image: Ubuntu 22.04 (glibc 2.35), python3 set to 3.12 by update-alternatives (SGLang's
+# docker/Dockerfile, read at its 0.5.5 tag; the 0.5.23 image itself cannot be pulled here).
+SGLANG_IMAGE_PYTHON, SGLANG_IMAGE_GLIBC_MINOR = "3.12", 35
+
+
+@pytest.mark.slow
+def test_the_gpu_images_airflow_venv_resolves_from_wheels_on_sglangs_python(tmp_path):
+    """The gpu stage's `pip install -r requirements.txt -c constraints.txt` in a venv of the
+    image's python3: pip resolves every pin for that Python and glibc from wheels alone, against
+    PyPI (a pin without such a wheel would need a compiler in the image). About 30 s."""
+    gpu = re.split(r"^FROM ", DOCKERFILE, flags=re.M)[-1]
+    assert "python3 -m venv /opt/airflow-venv" in gpu
+    assert "/opt/airflow-venv/bin/pip install --no-cache-dir -r /opt/regen/requirements.txt -c /opt/regen/constraints.txt" in gpu
+    platforms = [arg for minor in range(5, SGLANG_IMAGE_GLIBC_MINOR + 1)
+                 for arg in ("--platform", f"manylinux_2_{minor}_x86_64")]
+    report = tmp_path / "report.json"
+    resolved = subprocess.run(
+        [str(BIN / "pip"), "install", "--dry-run", "--ignore-installed", "--quiet", "--target", str(tmp_path / "t"),
+         "--python-version", SGLANG_IMAGE_PYTHON, *platforms, "--platform", "manylinux2014_x86_64",
+         "--platform", "linux_x86_64", "--only-binary=:all:", "--report", str(report),
+         "-r", str(ROOT / "requirements.txt"), "-c", str(ROOT / "constraints.txt")],
+        capture_output=True, text=True, timeout=600)
+    assert resolved.returncode == 0, resolved.stderr[-3000:]
+    def canonical(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    installed = {canonical(p["metadata"]["name"]): p["metadata"]["version"]
+                 for p in json.loads(report.read_text())["install"]}
+    pins = {canonical(name): version for name, version in
+            re.findall(r"^([A-Za-z0-9_.\-]+)==(\S+)$", (ROOT / "constraints.txt").read_text(), flags=re.M)}
+    assert installed["apache-airflow"] == pins["apache-airflow"] and "regen" not in installed
+    assert {name: v for name, v in installed.items() if name in pins and pins[name] != v} == {}
