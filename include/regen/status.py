@@ -124,10 +124,12 @@ def next_step(*texts: str | None) -> str:
     return RESUME[0].upper() + RESUME[1:].removeprefix("hen ")
 
 
-def with_stopped_shards(progress: dict, run_state: str | None = None, now: float | None = None) -> dict:
+def with_stopped_shards(progress: dict, run_state: str | None = None, now: float | None = None,
+                        silent_after_s: float | None = SHARD_SILENT_S) -> dict:
     """``progress`` with each shard that says "running" but has no attempt behind it shown as
     stopped: its run ended in Airflow (a run marked failed by hand ends its attempts before they
-    can say so), or it wrote nothing for SHARD_SILENT_S (an attempt killed, a node gone)."""
+    can say so), or it wrote nothing for ``silent_after_s`` (an attempt killed, a node gone;
+    None: not judged here, as on another machine than the output's, whose clock may differ)."""
     now = time.time() if now is None else now
     shards = {}
     for name, shard in (progress.get("shards") or {}).items():
@@ -135,7 +137,7 @@ def with_stopped_shards(progress: dict, run_state: str | None = None, now: float
             silent = now - shard.get("updated", now)
             if run_state in RUN_ENDED:
                 shard = {**shard, "state": "stopped", "stopped_why": f"the run is {run_state} in Airflow"}
-            elif silent > SHARD_SILENT_S:
+            elif silent_after_s is not None and silent > silent_after_s:
                 shard = {**shard, "state": "stopped",
                          "stopped_why": f"no word from its attempt for {format_duration(silent)}"}
         shards[name] = shard

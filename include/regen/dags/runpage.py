@@ -117,7 +117,8 @@ def create_app():
             data = config_data(cfg)
         except TimeoutError as exc:
             raise HTTPException(504, str(exc)) from None
-        data["progress"] = with_stopped_shards(data["progress"], state)
+        # Silence was judged by the status stage, where the output lives (a node's clock).
+        data["progress"] = with_stopped_shards(data["progress"], state, silent_after_s=None)
         return {**data, "attention": attention(data["progress"], data["audit"]), "run_state": state}
 
     @app.get("/runs/{dag_id}/{run_id}/report", dependencies=guard)
