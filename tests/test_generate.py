@@ -187,6 +187,7 @@ def test_sigkill_at_half_then_rerun_gives_every_id_once_and_resends_nothing(sim_
     [stopped] = attention(later, None)
     assert stopped["kind"] == "stopped"
     assert stopped["what"] == "1 shard stopped unfinished (0/1): no word from its attempt for 2 min"
+    assert stopped["next"].startswith("its task's retry resumes it")
     [rows_kept] = stopped["details"]
     assert rows_kept.startswith("shard 0/1 on ") and rows_kept.endswith(
         f": {progress['shards']['shard-00000']['done']:,} of {total:,} rows kept")

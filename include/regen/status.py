@@ -136,7 +136,8 @@ def with_stopped_shards(progress: dict, run_state: str | None = None, now: float
         if shard.get("state") == "running":
             silent = now - shard.get("updated", now)
             if run_state in RUN_ENDED:
-                shard = {**shard, "state": "stopped", "stopped_why": f"the run is {run_state} in Airflow"}
+                shard = {**shard, "state": "stopped", "stopped_why": f"the run is {run_state} in Airflow",
+                         "run_ended": True}
             elif silent_after_s is not None and silent > silent_after_s:
                 shard = {**shard, "state": "stopped",
                          "stopped_why": f"no word from its attempt for {format_duration(silent)}"}
@@ -169,7 +170,9 @@ def attention(progress: dict, audit: dict | None) -> list[dict[str, Any]]:
                               f"{stopped[0]['stopped_why']}",
                       "details": [_rows_kept(s) for s in stopped[:SHARDS_NAMED]],
                       "next": "clear the whole run ('only failed' unticked: a run marked failed skipped its audit); "
-                              "each shard resumes from what it finished"})
+                              "each shard resumes from what it finished" if stopped[0].get("run_ended") else
+                              "its task's retry resumes it, if it has one left; else, once the task has failed, "
+                              "clear it: it resumes from what it finished"})
     canary = progress.get("canary") or {}
     if canary.get("passed") is False:
         items.append({"kind": "problem", "what": f"canary failed: {len(canary.get('problems') or [])} problem(s); no shard started",
