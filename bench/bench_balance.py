@@ -63,10 +63,10 @@ def main() -> None:
     with workspace() as (tmp, model):
         prompts_path = tmp / "prompts.jsonl"
         prompts = make_prompts(prompts_path, args.prompts)
-        with simulated_servers(model, {39201 + i: ["--max-running-requests", str(SLOTS),
-                                                   "--sim-tokens-per-second", str(speed),
-                                                   "--sim-batch-slowdown", str(SLOWDOWN)]
-                                       for i, speed in enumerate(SPEEDS)}) as urls:
+        with simulated_servers(model, [["--max-running-requests", str(SLOTS),
+                                        "--sim-tokens-per-second", str(speed),
+                                        "--sim-batch-slowdown", str(SLOWDOWN)]
+                                       for speed in SPEEDS]) as urls:
             started = time.perf_counter()
             cfg = RunConfig(prompts=str(prompts_path), output=str(tmp / "out"), num_shards=1,
                             max_tokens=1024, queue_margin=0, regenerate_turns="last")  # one request a prompt, as the peer

@@ -81,7 +81,7 @@ def main() -> None:
     with workspace() as (tmp, model):
         prompts_path = tmp / "prompts.jsonl"
         prompts = make_prompts(prompts_path, args.requests)
-        with simulated_servers(model, {port: ["--max-running-requests", "256"] for port in (39101, 39102)}) as urls:
+        with simulated_servers(model, [["--max-running-requests", "256"]] * 2) as urls:
             best = {"regen": (1e9, 1e9), "AsyncOpenAI + semaphore": (1e9, 1e9)}
             runs = {"regen": lambda r: run_regen(prompts_path, tmp / f"regen-{r}", urls),
                     "AsyncOpenAI + semaphore": lambda r: run_baseline(prompts, tmp / f"base-{r}.jsonl", urls)}

@@ -41,6 +41,8 @@ from pathlib import Path
 
 from harness import write_section
 
+from regen.servers.probe import free_port_base
+
 BIN = Path(sys.executable).parent
 API_KEY = "bench-engine-key"  # the server's key, sent by every client
 SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
@@ -172,7 +174,7 @@ def start_server(args, tmp: Path):
     from regen.config import RunConfig
     from regen.servers.lifecycle import launch_servers
 
-    common = dict(output=str(tmp / "server"), num_servers=1, base_port=args.port, startup_timeout_s=600,
+    common = dict(output=str(tmp / "server"), num_servers=1, base_port=args.port or free_port_base(1), startup_timeout_s=600,
                   idle_shutdown_s=None,  # the other clients hold no lease: the server must stay
                   engine=args.engine, api_key=API_KEY)
     if args.engine == "vllm":
@@ -213,8 +215,7 @@ def main() -> None:
                         help="also a bare httpx 0.28 client (regen's former transport, the cause probe)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--port", type=int, default=29300,
-                        help="the server's port; below the ephemeral range, where no client socket takes it")
+    parser.add_argument("--port", type=int, help="the server's port (default: a free one below the ephemeral range)")
     parser.add_argument("--vllm-python", default=os.environ.get("REGEN_VLLM_PYTHON"))
     parser.add_argument("--model", default=os.environ.get("REGEN_TRAINED_MODEL"))
     parser.add_argument("--sim-args", default="--sim-tokens-per-second 300 --sim-batch-slowdown 0.02 --max-running-requests 32",

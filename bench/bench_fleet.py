@@ -45,10 +45,10 @@ from pathlib import Path
 import httpx
 from harness import alternating, simulated_servers, workspace, write_section
 
+from regen.servers.probe import free_port_base
 
 SPECFORGE_COMMIT = "a6b6b023"  # sgl-project/SpecForge HEAD when this bench was written (v0.3.0 line)
 SPECFORGE_MIRROR = Path("/work/.mirror/sgl-project+SpecForge/repo")
-ROUTER_PORT = 39790
 
 
 def sim_flags(slots: int, speed: float, median: int) -> list[str]:
@@ -184,10 +184,11 @@ def shared_queue(prompts: Path, urls: list[str], max_tokens: int, slots: int) ->
 
 
 def router(python: str, prompts: Path, urls: list[str], max_tokens: int, slots: int, log: Path) -> int:
-    url = f"http://127.0.0.1:{ROUTER_PORT}"
+    port = free_port_base(1)
+    url = f"http://127.0.0.1:{port}"
     with log.open("w") as out:
         proc = subprocess.Popen([python, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
-                                 "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(ROUTER_PORT)],
+                                 "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port)],
                                 stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
@@ -244,8 +245,7 @@ def main() -> None:
         script = specforge_script(args.specforge, tmp / "specforge") if "specforge" in modes else None
         for r, mode in alternating(modes, args.rounds):
             out = tmp / f"{mode}-{r}"
-            ports = {39701 + i: sim_flags(args.slots, speed, args.median) for i, speed in enumerate(speeds)}
-            with simulated_servers(model, ports) as urls:
+            with simulated_servers(model, [sim_flags(args.slots, speed, args.median) for speed in speeds]) as urls:
                 before = fleet_counters(urls)
                 started = time.perf_counter()
                 if mode == "regen":

@@ -29,6 +29,7 @@ from harness import write_section
 from regen.config import RunConfig
 from regen.paths import PROJECT_ROOT
 from regen.preflight import PreflightReport, check_prompts, run_preflight
+from regen.servers.probe import free_port_base
 
 BIN = Path(sys.executable).parent
 SEED_BUG = ("\n\nMAX_OUTPUT_TOKENS = 4096\n\n\ndef configure(max_tokens):\n"
@@ -77,7 +78,7 @@ def main() -> None:
         model = build_tiny_model(tmp / "model")
         cfg = RunConfig.from_mapping({"model_path": str(model), "prompts": str(prompts),
                                       "output": str(tmp / "out"), "staging_dir": str(tmp / "shm"),
-                                      "base_port": 39501, "num_shards": 8})
+                                      "base_port": free_port_base(1), "num_shards": 8})
         bare = timed(lambda: sum(1 for line in prompts.open("rb") for _ in [json.loads(line)]))
         report = PreflightReport()
         checks = timed(lambda: check_prompts(cfg, report))
@@ -114,7 +115,7 @@ def main() -> None:
         # By hand, in the seed's order: servers up first, then the generator script.
         started = time.perf_counter()
         subprocess.run([str(BIN / "regen"), "serve", "--config", "/dev/null", "--model-path", str(model),
-                        "--output", str(tmp / "hand"), "--base-port", "39601"], check=True,
+                        "--output", str(tmp / "hand"), "--base-port", str(free_port_base(1))], check=True,
                        capture_output=True, env=env)
         up = time.perf_counter() - started
         crash = subprocess.run([sys.executable, str(copy / "include" / "regen" / "generate.py")],

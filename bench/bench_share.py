@@ -79,7 +79,7 @@ def main() -> None:
     with workspace() as (tmp, model):
         prompts = tmp / "prompts.jsonl"
         make_prompts(prompts, args.prompts)
-        with simulated_servers(model, {39401: SIM, 39402: SIM}) as urls:
+        with simulated_servers(model, [SIM, SIM]) as urls:
             for r, name in alternating(list(arrangements), args.rounds):
                 out = tmp / f"{r}-{name.replace(' ', '-')}"
                 seconds = arrangements[name](prompts, out, urls)

@@ -22,6 +22,7 @@ from pathlib import Path
 from regen.paths import DEMO_PROMPTS
 from regen.prompts import Prompt, read_prompts
 from regen.servers.lifecycle import wait_healthy
+from regen.servers.probe import free_port_base
 from regen.servers.records import ServerRecord
 
 # The suite runs every bench at a tiny size (tests/test_bench.py) and points this elsewhere, so a
@@ -98,14 +99,18 @@ def workspace() -> Iterator[tuple[Path, Path]]:
 
 
 @contextlib.contextmanager
-def simulated_servers(model: Path, servers: dict[int, list[str]]) -> Iterator[list[str]]:
-    """`regen sim` on each port with its flags, all healthy; yields their URLs, stops them after."""
+def simulated_servers(model: Path, servers: Sequence[list[str]]) -> Iterator[list[str]]:
+    """`regen sim` with each server's flags, all healthy; yields their URLs, stops them after.
+    Ports are picked free and below the ephemeral range: a fixed one was once taken in CI."""
     launched = []
+    base = free_port_base(len(servers))
     try:
-        for port, flags in servers.items():
+        for port, flags in enumerate(servers, start=base):
             argv = [sys.executable, "-m", "regen", "sim", "--port", str(port), "--model-path", str(model), *flags]
-            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            launched.append((ServerRecord(0, None, "127.0.0.1", port, proc.pid, "/dev/null", None), proc))
+            log = model.parent / f"sim-{port}.log"  # named in the error when a server does not start
+            with log.open("w") as out:
+                proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+            launched.append((ServerRecord(0, None, "127.0.0.1", port, proc.pid, str(log), None), proc))
         wait_healthy(launched, 60)
         yield [record.url for record, _ in launched]
     finally:

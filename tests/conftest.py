@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from regen.config import RunConfig  # noqa: E402
 from support.airflow import OTHER_DAG, airflow_standalone  # noqa: E402
-from support.processes import free_port_base  # noqa: E402
+from regen.servers.probe import free_port_base  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ import subprocess
 import pytest
 
 from support.paths import BIN, ROOT
-from support.processes import free_port_base
 
 TINY = {
     "bench_audit.py": ["--samples", "20", "--rounds", "1"],
@@ -42,8 +41,7 @@ def test_the_bench_runs_at_a_tiny_size(script, tmp_path, request):
         request.getfixturevalue("airflow_db")  # it triggers the DAG with `airflow dags test`
     results = tmp_path / "RESULTS.md"
     env = {**os.environ, "REGEN_BENCH_RESULTS": str(results), "PYTHONPATH": str(ROOT / "include")}
-    port = ["--port", str(free_port_base(1))] if script == "bench_engine.py" else []  # CI once had 39300 taken
-    done = subprocess.run([str(BIN / "python"), str(ROOT / "bench" / script), *TINY[script], *port],
+    done = subprocess.run([str(BIN / "python"), str(ROOT / "bench" / script), *TINY[script]],
                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
     text = results.read_text()

@@ -31,7 +31,8 @@ from regen.store import Journal
 from support.airflow import AirflowProcesses, airflow_env, trigger_run, wait_run
 from support.data import read_ids
 from support.paths import BIN, ROOT
-from support.processes import free_port_base, wait_until
+from regen.servers.probe import free_port_base
+from support.processes import wait_until
 from support.services import Services, services
 
 

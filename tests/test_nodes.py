@@ -9,7 +9,7 @@ from regen.config import ConfigError, RunConfig
 from regen.placement import NoNodeAnswers, claim_node
 from regen.servers.lifecycle import launch_servers, stop_recorded
 from regen.status import node_balance
-from support.processes import free_port_base
+from regen.servers.probe import free_port_base
 
 
 def nodes_config(make_config, tmp_path, **extra):

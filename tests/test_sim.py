@@ -12,7 +12,8 @@ from regen.servers.lifecycle import wait_healthy
 from regen.servers.probe import port_is_free
 from regen.servers.records import ServerRecord
 from support.paths import BIN
-from support.processes import free_port_base, wait_until
+from regen.servers.probe import free_port_base
+from support.processes import wait_until
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 

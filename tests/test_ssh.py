@@ -16,7 +16,8 @@ from regen.pipeline import run
 from regen.servers.probe import port_is_free
 from support.data import read_ids, turn_requests
 from support.paths import BIN, ROOT
-from support.processes import free_port_base, processes_with_args, wait_until
+from regen.servers.probe import free_port_base
+from support.processes import processes_with_args, wait_until
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 

@@ -10,7 +10,7 @@ import httpx2
 import pytest
 
 from regen.transport import StreamTransport
-from support.processes import free_port_base
+from regen.servers.probe import free_port_base
 
 
 @contextlib.asynccontextmanager

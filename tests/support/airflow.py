@@ -8,7 +8,8 @@ from pathlib import Path
 
 from regen.servers.probe import port_is_free
 from support.paths import BIN, DAG_FILE, ROOT
-from support.processes import free_port_base, processes_with_args, processes_with_env, wait_until
+from regen.servers.probe import free_port_base
+from support.processes import processes_with_args, processes_with_env, wait_until
 
 
 def airflow_env(home: Path, port: int, **extra: str) -> dict[str, str]:

@@ -1,31 +1,7 @@
-"""Other processes a test started or waits for: free ports, /proc look-ups, polling."""
+"""Other processes a test started or waits for: /proc look-ups, polling."""
 
 import os
-import random
 from pathlib import Path
-
-from regen.servers.probe import port_is_free
-
-
-def _below_ephemeral() -> int:
-    """The first port the kernel hands to outgoing connections: a listener chosen above it can
-    be taken by any client's socket between the check and the bind (seen: Airflow's API server)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port_base(count: int) -> int:
-    """A base port with ``count`` free ports after it, below the ephemeral range; random so
-    parallel runs rarely collide."""
-    rng = random.Random()
-    top = min(_below_ephemeral(), 65000) - count - 10
-    for _ in range(200):
-        base = rng.randrange(20000, max(top, 20010), 10)
-        if all(port_is_free("127.0.0.1", base + i) for i in range(count)):
-            return base
-    raise RuntimeError("no free port range found")
 
 
 def processes_with_args(*args: str) -> list[int]:

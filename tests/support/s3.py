@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from support.processes import free_port_base, wait_until
+from regen.servers.probe import free_port_base
+from support.processes import wait_until
 from support.services import answers
 
 MOTO_SERVER = Path(sys.executable).parent / "moto_server"

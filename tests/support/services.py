@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from support.processes import free_port_base, wait_until
+from regen.servers.probe import free_port_base
+from support.processes import wait_until
 
 
 @dataclass
