@@ -266,6 +266,26 @@ def test_scheduled_reruns_are_incremental(airflow_db, deployed_dag, make_config,
     assert len(df) == 380 and df["id"].is_unique
 
 
+@pytest.mark.slow
+def test_a_rerun_of_an_output_whose_audit_failed_audits_it_again(airflow_db, deployed_dag, make_config):
+    """Up to date is not good: a scheduled rerun of data that failed its audit fails again (nothing
+    sent), and only a passing audit of the whole output lets later reruns skip everything."""
+    # Thinking lost after the canary's requests: the canary passes, the audit fails.
+    cfg = make_config(num_shards=2, extra_server_args=["--sim-ignore-thinking-after", "6"])
+    dag = deployed_dag(cfg)
+    assert dag.test(run_conf=_conf(cfg)).state == "failed"
+    assert _sent(cfg) == 280
+    rerun = dag.test(run_conf=_conf(cfg))
+    states = _states(rerun)
+    assert rerun.state == "failed" and states["audit"] == ["failed"], states
+    assert _sent(cfg) == 0  # this run's shards had nothing to send
+    relaxed = cfg.model_copy(update={"audit": cfg.audit.model_copy(update={"max_degenerate_fraction": 1.0})})
+    assert dag.test(run_conf=_conf(relaxed)).state == "success"
+    quiet = _states(dag.test(run_conf=_conf(relaxed)))
+    assert quiet.pop("preflight") == ["success"] and set(map(tuple, quiet.values())) == {("skipped",)}, quiet
+    assert len(pd.read_parquet(f"{cfg.output}/data")) == 280
+
+
 def test_the_api_key_is_in_no_log_and_no_file_regen_writes(airflow_db, deployed_dag, make_config, tmp_path, capfd, monkeypatch):
     """SGLang (and the simulator, as SGLang does) logs its arguments, API key included: after a
     whole run and after a failed server start, neither the task logs nor any file under the

@@ -223,7 +223,7 @@ def audit(cfg: RunConfig, data: str | None = None, tokenizer: str | None = None,
     rows = count_rows(layout)
     if not data:  # the run's own output: its config says what made it
         write_card(cfg, layout, doc, result.summary.loss_tokens, rows)
-        if not result.partial_note():  # its verdict stands for the whole output (regen.preflight: audit_due)
+        if result.passed and not result.partial_note():  # a pass of the whole output (regen.preflight: audit_due)
             Manifest(layout).update(audit_due=False)
     if not result.passed:
         raise AuditFailed("\n".join(result.lines()), doc)

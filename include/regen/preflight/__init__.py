@@ -116,15 +116,16 @@ def preflight(cfg: RunConfig, code: bool = True, run_id: str = "cli",
     info = {k: v for k, v in report.info.items() if not k.startswith("_")}
     shards = shards_to_run(cfg)
     unaudited = not shards and run_id != "cli" and bool(manifest.read().get("audit_due"))
-    if shards:  # until the audit of the whole output clears it
+    if shards:  # until an audit of the whole output passes
         manifest.update(audit_due=True)
-    elif unaudited:  # a run stopped before its audit: this one audits (its shards have nothing to send)
+    elif unaudited:  # a run stopped before its audit, or its audit failed: this one audits (nothing to send)
         shards = list(range(cfg.num_shards))
     elif run_id != "cli":  # up to date: no task of this run will use the output
         from regen.coordination import release_output
 
         release_output(cfg.layout, run_id)
-    work = ("up to date, but never audited (a run stopped before its audit): this run sends nothing and audits it"
+    work = ("up to date, but not yet passed by an audit (a run stopped before its audit, or the audit failed): "
+            "this run sends nothing and audits it"
             if unaudited else f"{len(shards)} of {cfg.num_shards} shards with work" if shards else
             "up to date: every prompt has a good row of this model and settings, nothing to send")
     return PreflightResult(shards=shards, up_to_date=not shards, info=info, seconds=round(report.seconds, 2),
