@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,17 @@ def test_the_canary_measures_the_share_the_trainer_cuts(sim_servers):
         in report.summary
     roomy, _ = sim_servers(num_servers=1, train_max_length=8192, output=cfg.output + "-roomy")
     assert canary(roomy).estimate["trainer_cut_fraction"] == 0
+
+
+def test_samples_that_are_not_what_the_engine_served_fail_the_canary_naming_why(sim_servers, qwen36_dir):
+    """SpecForge's qwen3-thinking template adds a system prompt the Qwen3.5/3.6 server never saw:
+    reported only by that template's recipe, but an on-policy bound the run sets fails the canary
+    before any shard, with the cause per sample."""
+    cfg, records = sim_servers(num_servers=1, model_path=str(qwen36_dir), train_template="qwen3-thinking")
+    assert canary(cfg).estimate["prompts"] == 280  # the recipe's own bound: 0, reported
+    with pytest.raises(CanaryFailed) as err:
+        canary(cfg.model_copy(update={"audit": cfg.audit.model_copy(update={"min_on_policy_fraction": 0.95})}))
+    every = re.search(r"canary: (\d+) of \1 samples are not token for token what the engine was served and "
+                      r"generated \(min_on_policy_fraction 95% would not hold; why: on_policy \{'system_prompt': (\d+)\}",
+                      str(err.value))
+    assert every and every[1] == every[2], str(err.value)  # every sample, each for that cause
