@@ -247,12 +247,34 @@ def test_a_full_disk_fails_the_shard_clearly_and_leaves_data_clean(sim_servers, 
         subprocess.run(["umount", str(mount)], check=True)
 
 
-def test_a_second_generator_on_the_same_shard_is_refused(tmp_path):
+def test_a_second_generator_waits_for_an_attempt_still_stopping_and_is_refused_after(
+        sim_servers, tmp_path, monkeypatch, caplog):
+    """A shard cleared while its marked-failed attempt still writes its journal: the new attempt
+    waits for the lock and generates once it is free; a holder that outlasts the grace (a second
+    generator) is refused, naming it."""
+    import threading
+
+    import regen.store
     from regen.layout import RunLayout
 
+    monkeypatch.setattr(regen.store, "STOPPING_ATTEMPT_GRACE_S", 1.0)
     with ShardStore(RunLayout(tmp_path / "ds"), 0, 1).lock():
-        with pytest.raises(ShardFailed, match=r"being generated right now by pid \d+"):
+        with pytest.raises(ShardFailed, match=r"being generated right now by pid \d+ .*, still after 1 s"):
             generate_shard(PROMPTS, tmp_path / "ds", [("http://127.0.0.1:9", None)])
+
+    monkeypatch.setattr(regen.store, "STOPPING_ATTEMPT_GRACE_S", 120.0)
+    cfg, records = sim_servers(num_servers=1)
+    prompts, done = subset(tmp_path, 20), {}
+    stopping = ShardStore(RunLayout(tmp_path / "ds2"), 0, 1).lock()
+    stopping.__enter__()
+    successor = threading.Thread(target=lambda: done.update(
+        result=generate_shard(prompts, tmp_path / "ds2", endpoints(records))))
+    successor.start()
+    wait_until(lambda: "an attempt still stopping?); waiting up to 120 s" in caplog.text, 60, "the successor waiting")
+    assert "result" not in done
+    stopping.__exit__(None, None, None)
+    successor.join(120)
+    assert done["result"].done == 20
 
 
 def test_a_rerun_reuses_good_rows_and_a_settings_change_regenerates(sim_servers, tmp_path):

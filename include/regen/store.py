@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -27,6 +28,7 @@ from regen.rows import ROW_SCHEMA
 from regen.turns import resumed_answers
 
 log = logging.getLogger("regen.store")
+STOPPING_ATTEMPT_GRACE_S = 60.0
 
 REPAIR_BLOCK = 1 << 16
 
@@ -110,14 +112,25 @@ class ShardStore:
     @contextlib.contextmanager
     def lock(self):
         """One generator per shard: a retry that starts while an old attempt still runs (a worker
-        that lost its heartbeat, a remote job outliving its task) must not write the same journal."""
+        that lost its heartbeat, a remote job outliving its task) must not write the same journal.
+        An attempt Airflow is stopping (a run marked failed, then cleared at once) writes its
+        journal and exits within seconds: its successor waits up to STOPPING_ATTEMPT_GRACE_S."""
         path = self.layout.shard_lock(self.shard, self.num_shards)
         lock = FileLock(path, note=f"pid {os.getpid()} on {node_name()}")
-        try:
-            lock.acquire(blocking=False)
-        except LockHeld as held:
-            raise ShardFailed(f"{self.name} is being generated right now by {held} ({path}); "
-                              f"retry once it has stopped") from None
+        ends, told = time.monotonic() + STOPPING_ATTEMPT_GRACE_S, False
+        while True:
+            try:
+                lock.acquire(blocking=False)
+                break
+            except LockHeld as held:
+                if time.monotonic() >= ends:
+                    raise ShardFailed(f"{self.name} is being generated right now by {held} ({path}), still after "
+                                      f"{STOPPING_ATTEMPT_GRACE_S:.0f} s; retry once it has stopped") from None
+                if not told:
+                    log.warning("%s is held by %s (an attempt still stopping?); waiting up to %.0f s for it",
+                                self.name, held, STOPPING_ATTEMPT_GRACE_S)
+                    told = True
+                time.sleep(0.5)  # polling a lock another process holds
         try:
             self._remove_orphan_temporaries()
             yield
