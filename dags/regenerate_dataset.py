@@ -174,7 +174,9 @@ def stop_servers(node: str) -> int:
     context = get_current_context()
     run_id = context["run_id"]
     states = context["ti"].get_task_states(dag_id=context["dag"].dag_id, run_ids=[run_id]).get(run_id, {})
-    reason = marked_failed_by_hand(states, {t.task_id for t in context["dag"].tasks if t.is_teardown})
+    answer = context["ti"].xcom_pull(task_ids="approve") if states.get("approve") == "success" else None
+    reason = marked_failed_by_hand(states, {t.task_id for t in context["dag"].tasks if t.is_teardown},
+                                   (answer or {}).get("chosen_options", [None])[0])
     if reason:
         raise AirflowFailException(f"{stopped} server(s) stopped; {reason}")
     return stopped

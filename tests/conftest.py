@@ -21,7 +21,7 @@ os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from regen.config import RunConfig  # noqa: E402
-from support.airflow import OTHER_DAG, airflow_standalone  # noqa: E402
+from support.airflow import OTHER_DAG, SHARD_POOL, airflow_standalone  # noqa: E402
 from regen.servers.probe import free_port_base  # noqa: E402
 
 
@@ -126,14 +126,21 @@ def airflow_db():
 @pytest.fixture(scope="session")
 def airflow(tmp_path_factory):
     """The standalone shared by the UI, clear and approval tests: regen's DAG files and one DAG
-    that is not regen's."""
+    that is not regen's; the shards run in their own pool, `regen_shards` (16 slots), as a team's
+    deployment sets REGEN_POOL."""
+    import httpx
+
     home = tmp_path_factory.mktemp("standalone")
     dags = home / "dags"
     dags.mkdir()
     for dag_file in (ROOT / "dags").glob("*.py"):
         (dags / dag_file.name).symlink_to(dag_file)
     (dags / "not_regen.py").write_text(OTHER_DAG)
-    with airflow_standalone(home, REGEN_SHARD_RETRIES="0", AIRFLOW__CORE__DAGS_FOLDER=str(dags)) as deployment:
+    with airflow_standalone(home, REGEN_SHARD_RETRIES="0", REGEN_POOL=SHARD_POOL,
+                            AIRFLOW__CORE__DAGS_FOLDER=str(dags)) as deployment:
+        created = httpx.post(f"{deployment['base']}/api/v2/pools", json={"name": SHARD_POOL, "slots": 16},
+                             headers={"Authorization": f"Bearer {deployment['token']}"}, timeout=30)
+        assert created.status_code in (200, 201), created.text
         yield deployment
 
 

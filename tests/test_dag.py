@@ -113,8 +113,13 @@ def test_only_a_run_marked_failed_is_failed_by_its_teardown():
     assert marked_failed_by_hand(failed_alone, teardowns) is None
     rejected = {"canary": "success", "approve": "success", "generate": "skipped", "audit": "skipped",
                 "stop_servers": "running"}
-    assert marked_failed_by_hand(rejected, teardowns) is None
-    assert marked_failed_by_hand({**rejected, "stop_servers": "failed"}, teardowns) is None  # its own failure
+    assert marked_failed_by_hand(rejected, teardowns, "Reject") is None
+    assert marked_failed_by_hand({**rejected, "stop_servers": "failed"}, teardowns, "Reject") is None  # its own
+    waiting = {"canary": "success", "approve": "skipped", "generate_0": "skipped", "generate_1": "skipped",
+               "audit": "skipped", "stop_servers": "running"}  # no slot in a shared pool: nothing ran
+    assert "while its shards waited to start" in marked_failed_by_hand(waiting, teardowns)
+    approved = {**waiting, "approve": "success"}
+    assert "while its shards waited to start" in marked_failed_by_hand(approved, teardowns, "Approve")
     cleared_only_failed = {**marked, "generate_0": "success", "stop_servers": "running"}  # the audit stays skipped
     assert "cleared with 'only failed'" in marked_failed_by_hand(cleared_only_failed, teardowns)
 

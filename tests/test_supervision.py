@@ -334,6 +334,44 @@ def test_a_person_approves_or_rejects_the_run_after_the_canary(airflow, make_con
     wait_until(lambda: processes_with_args("--port", str(cfg.servers.base_port)) == [], 30, "no server left")
 
 
+@pytest.mark.slow
+def test_a_run_marked_failed_while_its_shards_wait_for_a_pool_slot_ends_failed(airflow, make_config, tmp_path):
+    """A team's runs share REGEN_POOL: one run's shards can all be waiting for a slot when a person
+    marks it failed. Airflow skips them (nothing ran, nothing failed) and would let the run end
+    green, unaudited; the teardown stops the servers and fails it. The whole run's Clear, once a
+    slot is free, generates and audits. About a minute."""
+    from support.airflow import SHARD_POOL
+
+    base, headers = airflow["base"], {"Authorization": f"Bearer {airflow['token']}"}
+    api = httpx.Client(base_url=f"{base}/api/v2", headers=headers, timeout=30)
+
+    def pool_slots(slots: int) -> None:
+        patched = api.patch(f"/pools/{SHARD_POOL}",
+                            json={"name": SHARD_POOL, "slots": slots, "include_deferred": False})
+        assert patched.status_code == 200, patched.text
+
+    cfg = make_config(output=str(tmp_path / "waiting"), sim_tokens_per_second=2000)
+    pool_slots(0)  # every slot taken by another run
+    try:
+        run_id = trigger_run(api, cfg, airflow["config_dir"])
+        wait_until(lambda: {v for k, v in shard_states(api, run_id).items() if k[0] == "generate" and k[1] >= 0}
+                   == {"scheduled"}, 300, "the shards waiting for a slot")
+        assert shard_states(api, run_id)[("canary", -1)] == "success"
+        marked = api.patch(f"/dags/regenerate_dataset/dagRuns/{run_id}", json={"state": "failed"})
+        assert marked.status_code == 200, marked.text
+        assert wait_run(api, run_id, 300) == "failed"
+        states = shard_states(api, run_id)
+        assert states[("audit", -1)] == "skipped" and states[("stop_servers", -1)] == "failed", states
+        assert {v for k, v in states.items() if k[0] == "generate"} == {"skipped"}, states
+        wait_until(lambda: processes_with_args("--port", str(cfg.servers.base_port)) == [], 30, "no server left")
+    finally:
+        pool_slots(16)
+    assert api.post(f"/dags/regenerate_dataset/dagRuns/{run_id}/clear",
+                    json={"dry_run": False, "only_failed": False}).status_code == 200
+    assert_clean_success(api, run_id, cfg)
+    assert shard_states(api, run_id)[("audit", -1)] == "success"
+
+
 def test_reading_leases_never_removes_one_a_retried_holder_just_put_in_place(tmp_path, monkeypatch):
     """The watchdog finds a dead shard's lease free; in the same instant the shard's retry puts its
     own lease under that name. The reader must not remove it: the retry's lease stays, and counts."""

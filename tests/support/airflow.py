@@ -141,6 +141,9 @@ not_regen()
 """
 
 
+SHARD_POOL = "regen_shards"  # the standalone's REGEN_POOL (tests/conftest.py)
+
+
 @contextlib.contextmanager
 def airflow_standalone(home: Path, **env: str):
     """`airflow standalone` on loopback (SQLite, LocalExecutor) in ``home``, its environment
