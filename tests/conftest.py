@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from support.paths import AIRFLOW_HOME, BIN, ROOT
+
+SUITE_START = pytest.StashKey[float]()
+SUITE_VERDICT = pytest.StashKey[tuple[str, bool]]()
 
 os.environ["AIRFLOW_HOME"] = str(AIRFLOW_HOME)
 os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(ROOT / "dags")
@@ -23,6 +27,52 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from regen.config import RunConfig  # noqa: E402
 from support.airflow import OTHER_DAG, SHARD_POOL, airflow_standalone  # noqa: E402
 from regen.servers.probe import free_port_base  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addini("suite_budget_s", "the whole suite's wall-time budget in seconds: a run past it fails")
+
+
+def pytest_sessionstart(session):
+    session.config.stash[SUITE_START] = time.monotonic()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """The budget guard, on the controller only (xdist workers see a share of the suite): the run
+    that blows the budget fails where it is made, not at landing."""
+    if hasattr(session.config, "workerinput") or SUITE_START not in session.config.stash:
+        return
+    took, budget = time.monotonic() - session.config.stash[SUITE_START], float(session.config.getini("suite_budget_s"))
+    session.config.stash[SUITE_VERDICT] = (
+        f"suite wall time {took:,.0f} s, {'within' if took <= budget else 'OVER'} its budget of {budget:,.0f} s "
+        "(suite_budget_s in pyproject.toml)", took <= budget)
+    if took > budget and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if SUITE_VERDICT in config.stash:
+        line, within = config.stash[SUITE_VERDICT]
+        terminalreporter.write_line(line, green=within, red=not within)
+
+
+# Tests that share a heavy fixture run on one xdist worker (one standalone, one Celery cluster, one
+# sshd, one vLLM server at a time: memory), and those groups are handed out first, longest first,
+# so the longest chain starts at once instead of last. Each name is the fixture that marks a group.
+HEAVY_GROUPS = ("airflow", "cluster", "vllm_config", "sshd")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    def group(item) -> str | None:
+        return next((name for name in HEAVY_GROUPS if name in item.fixturenames), None)
+
+    for item in items:
+        if (name := group(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(name))
+    rank = {name: i for i, name in enumerate(HEAVY_GROUPS)}
+    items.sort(key=lambda item: (rank.get(group(item), len(HEAVY_GROUPS) + (item.get_closest_marker("slow") is None)),))
 
 
 @pytest.fixture(scope="session")

@@ -33,14 +33,28 @@ def _first_ephemeral_port() -> int:
 
 def free_port_base(count: int, host: str = "127.0.0.1") -> int:
     """A base port with ``count`` free ports after it, below the ephemeral range; random so
-    parallel runs rarely collide."""
+    parallel runs rarely collide. ``REGEN_PORT_RANGE=LO-HI`` narrows the choice: processes given
+    disjoint ranges (the test suite's workers) never pick the same port between check and bind."""
     rng = random.Random()
-    top = min(_first_ephemeral_port(), 65000) - count - 10
+    low, high = _port_range()
+    top = high - count - 10
     for _ in range(200):
-        base = rng.randrange(20000, max(top, 20010), 10)
+        base = rng.randrange(low, max(top, low + 10), 10)
         if all(port_is_free(host, base + i) for i in range(count)):
             return base
-    raise RuntimeError("no free port range found")
+    raise RuntimeError(f"no free range of {count} ports found in {low}-{high}")
+
+
+def _port_range() -> tuple[int, int]:
+    top = min(_first_ephemeral_port(), 65000)
+    raw = os.environ.get("REGEN_PORT_RANGE", "")
+    if not raw:
+        return 20000, top
+    try:
+        low, high = (int(part) for part in raw.split("-"))
+    except ValueError:
+        raise ValueError(f"REGEN_PORT_RANGE={raw!r}: expected LO-HI, e.g. 20000-21000") from None
+    return low, min(high, top)
 
 
 def is_healthy(url: str, timeout: float = 5.0) -> bool:

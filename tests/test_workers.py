@@ -1,0 +1,50 @@
+"""The suite runs on pytest-xdist workers (Makefile: TEST_WORKERS): what two of them allocate side by
+side never meets."""
+
+import json
+import os
+import subprocess
+import sys
+
+from support.paths import ROOT
+from support.workers import PORTS, port_range
+
+# One worker's allocations, as its conftest makes them: its scratch and Airflow home, then port
+# bases through regen's own picker, each range held bound so the worker's next pick is another.
+ALLOCATE = """
+import json, socket, sys
+from support.paths import AIRFLOW_HOME, TEST_VAR
+from regen.servers.probe import free_port_base
+import os
+held, ports = [], []
+for _ in range(40):
+    base = free_port_base(3)
+    for port in range(base, base + 3):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", port))
+        held.append(sock)
+        ports.append(port)
+print(json.dumps({"range": os.environ["REGEN_PORT_RANGE"], "home": str(AIRFLOW_HOME), "var": str(TEST_VAR),
+                  "ports": ports}))
+"""
+
+
+def test_two_workers_never_share_a_port_a_home_or_a_scratch_folder():
+    """Two workers' allocations run at once, as xdist runs them: each stays in its own port slice,
+    and their ports, Airflow homes and scratch folders are disjoint (a shared port would fail a
+    server at bind; a shared SQLite home would lock `dag.test()`)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("REGEN_PORT_RANGE", "AIRFLOW_HOME")}
+    procs = [subprocess.Popen([sys.executable, "-c", ALLOCATE], cwd=ROOT / "tests", stdout=subprocess.PIPE,
+                              env={**env, "PYTEST_XDIST_WORKER": name, "PYTEST_XDIST_WORKER_COUNT": "2",
+                                   "PYTHONPATH": str(ROOT / "tests")})
+             for name in ("gw0", "gw1")]
+    seen = [json.loads(proc.communicate(timeout=120)[0]) for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs)
+    for name, got in zip(("gw0", "gw1"), seen):
+        low, high = port_range(name, 2)
+        assert got["range"] == f"{low}-{high}"
+        assert all(low <= port <= high for port in got["ports"]) and len(set(got["ports"])) == 120
+    assert not set(seen[0]["ports"]) & set(seen[1]["ports"])
+    assert seen[0]["home"] != seen[1]["home"] and seen[0]["var"] != seen[1]["var"]
+    slices = sorted(port_range(f"gw{i}", 8) for i in range(8))
+    assert all(a[1] < b[0] for a, b in zip(slices, slices[1:])) and PORTS[0] <= slices[0][0] and slices[-1][1] <= PORTS[1]
