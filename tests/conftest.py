@@ -75,6 +75,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (rank.get(group(item), len(HEAVY_GROUPS) + (item.get_closest_marker("slow") is None)),))
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """xdist groups by a suffix of the test's id; a pytest that ignores the rename scatters a
+    group over every worker (six standalones at once). Fail then, rather than run that way."""
+    if getattr(session.config.option, "loadgroup", False):
+        scattered = [item.nodeid for item in session.items
+                     if item.get_closest_marker("xdist_group") and "@" not in item.nodeid.rsplit("]", 1)[-1]]
+        if scattered:
+            raise pytest.UsageError(f"xdist groups not applied (pytest/xdist versions?): {scattered[:3]}")
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     from regen.tinymodel import build_tiny_model

@@ -103,9 +103,30 @@ def trigger_run(api, cfg, config_dir: Path, dag_id: str = "regenerate_dataset") 
 
 
 def wait_run(api, run_id: str, timeout: float, dag_id: str = "regenerate_dataset") -> str:
+    """The run's end state, once the scheduler has moved past it. A clear sent while the scheduler
+    still handles the run's last executor events gives the cleared task instances new ids under
+    it, and Airflow 3.3's scheduler dies on the stale row ("expected to update 1 row(s); 0 were
+    matched"), as a person's click could make it: wait for a heartbeat after the run ended."""
+    from datetime import datetime, timedelta, timezone
+
     path = f"/dags/{dag_id}/dagRuns/{run_id}"
-    wait_until(lambda: api.get(path).json()["state"] in ("success", "failed"), timeout, "the run")
-    return api.get(path).json()["state"]
+
+    def ended() -> bool:
+        beat = api.get("/monitor/health").json()["scheduler"]["latest_scheduler_heartbeat"]
+        silent = (datetime.now(timezone.utc) - datetime.fromisoformat(beat)).total_seconds() if beat else 0
+        assert silent < 120, f"the scheduler's last heartbeat was {silent:.0f} s ago: it died (its log is in the home)"
+        return api.get(path).json()["state"] in ("success", "failed")
+
+    wait_until(ended, timeout, "the run")
+    run = api.get(path).json()
+    settled = datetime.fromisoformat(run["end_date"]) + timedelta(seconds=2)
+
+    def past_it() -> bool:
+        beat = api.get("/monitor/health").json()["scheduler"]["latest_scheduler_heartbeat"]
+        return beat is not None and datetime.fromisoformat(beat) > settled
+
+    wait_until(past_it, 60, "a scheduler heartbeat after the run ended")
+    return run["state"]
 
 
 def shard_states(api, run_id: str) -> dict[tuple[str, int], str]:
