@@ -90,9 +90,10 @@ def test_preflight_asks_the_installed_sglang_for_its_names_and_flags(make_config
 
     refused, info = problems(reasoning_parser="nano_v3", tool_call_parser="qwen3_coder")
     assert info["engine"] == f"sglang 0.5.23 at {SGLANG_PYTHON}"
-    # What was checked is said: SGLang's parser, not its resolution against the model (resolve_once).
-    assert info["launch_checked_by"].endswith("its argument parser only (resolve_once, its checks against the "
-                                              "model, runs at launch)")
+    # What was checked is said, and what was not, one line each: its resolution against the model.
+    assert info["launch_checked_by"] == f"sglang 0.5.23 at {SGLANG_PYTHON}: its argument parser"
+    assert info["not_checked"] == ["SGLang's checks of the arguments against the model (ServerArgs.resolve_once "
+                                   "imports its GPU packages): they run at launch"]
     assert len(refused) == 1 and refused[0].startswith(f"reasoning_parser 'nano_v3': sglang 0.5.23 at {SGLANG_PYTHON} "
                                                        f"has no such parser (valid: ")
     assert "nemotron_3" in refused[0] and "deepseek-v4" in refused[0]
@@ -101,18 +102,20 @@ def test_preflight_asks_the_installed_sglang_for_its_names_and_flags(make_config
     assert len(flag) == 1 and flag[0].startswith(f"the launch command is refused by sglang 0.5.23 at {SGLANG_PYTHON}: ")
     assert "--speculative-tree-width" in flag[0]
     tool = problems(tool_call_parser="qwen3-coder")[0]
-    assert len(tool) == 1 and tool[0].startswith("tool_call_parser 'qwen3-coder'") and "qwen3_coder" in tool[0]
+    assert len(tool) == 1 and tool[0].startswith("tool_call_parser 'qwen3-coder': ") and "did you mean 'qwen3_coder'?" in tool[0]
+    assert problems(tool_call_parser="none")[0] == []  # no parser: the flag is left out
 
 
-def test_without_sglang_installed_preflight_says_whose_list_it_used(make_config):
-    """A machine with no SGLang (a CPU worker): the names of the pinned release, said to be that."""
+def test_without_sglang_installed_preflight_refuses_and_still_names_bad_parsers(make_config):
+    """A machine with no SGLang: refused (the servers could not start), and the pinned release's
+    names still catch a parser that would fail the launch, so both show at once."""
     from regen.preflight import PreflightReport, check_engine
 
     report = PreflightReport()
     check_engine(make_config(engine="sglang", reasoning_parser="nano_v3"), report)
-    assert report.problems and report.problems[0].startswith(
-        "reasoning_parser 'nano_v3': sglang 0.5.23's list (no sglang imports with ")
-    assert "nemotron_3" in report.problems[0]
+    assert report.problems[0].startswith("engine_python ") and "sglang does not import there" in report.problems[0]
+    assert report.problems[1].startswith("reasoning_parser 'nano_v3': sglang 0.5.23's list has no such parser")
+    assert "nemotron_3" in report.problems[1]
 
 
 def test_a_tensor_and_data_parallel_launch_parses(make_config):

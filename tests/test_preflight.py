@@ -114,25 +114,44 @@ def problems_for(make_config, **overrides):
 def test_a_missing_engine_interpreter_hides_no_other_engine_problem(make_config, tmp_path):
     problems = problems_for(make_config, engine="sglang", engine_python=str(tmp_path / "no-python"),
                             reasoning_parser=None)
-    assert f"engine_python {tmp_path / 'no-python'}: not found" in problems
+    assert any(p.startswith(f"engine_python {tmp_path / 'no-python'}: not found on ") and "set engine_python" in p
+               for p in problems), problems
     assert any(p.startswith("reasoning_parser: empty while enable_thinking is on") for p in problems)
 
 
+def test_an_engine_that_does_not_import_in_engine_python_is_refused_naming_the_interpreter(make_config):
+    """The seed's DAG staged 55 GB and launched seven servers that died on `No module named sglang`:
+    preflight asks the interpreter, and refuses with the import error and how to install it."""
+    import sys
+
+    problems = problems_for(make_config, engine="sglang", engine_python=sys.executable)
+    refused = [p for p in problems if p.startswith(f"engine_python {sys.executable}: sglang does not import there")]
+    assert len(refused) == 1, problems
+    assert "No module named 'sglang'" in refused[0] and "pip install -r requirements-gpu.txt" in refused[0]
+
+
 def test_an_engine_that_needs_a_gpu_with_none_visible_is_refused(make_config, tmp_path, monkeypatch):
-    """SGLang on a machine with no GPU in sight was planned as "2 servers on CPU" and passed."""
+    """SGLang on a machine with no GPU in sight was planned as "2 servers on CPU" and passed; with
+    `gpus` listed explicitly it was planned on the listed GPUs and launched seven servers."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no nvidia-smi
-    problems = problems_for(make_config, engine="sglang")
-    assert any(p.startswith("engine sglang: needs a GPU per server and none is visible here "
-                            "(CUDA_VISIBLE_DEVICES unset; nvidia-smi not found)") for p in problems), problems
+    for gpus in (None, list(range(7))):
+        problems = problems_for(make_config, engine="sglang", gpus=gpus, num_servers=2 if gpus is None else 7)
+        given = f"gpus {gpus} name GPUs, but " if gpus else ""
+        assert any(p.startswith(f"engine sglang: needs a GPU per server; {given}none is visible on ")
+                   and "(CUDA_VISIBLE_DEVICES unset; nvidia-smi not found)" in p for p in problems), problems
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert any("CUDA_VISIBLE_DEVICES ''" in p for p in problems_for(make_config, engine="sglang"))
+    assert any("CUDA_VISIBLE_DEVICES ''" in p for p in problems_for(make_config, engine="sglang", gpus=[0, 1]))
     smi = tmp_path / "bin" / "nvidia-smi"
     smi.parent.mkdir()
-    smi.write_text("#!/bin/sh\nprintf '0\\n1\\n'\n")
+    smi.write_text("#!/bin/sh\n[ \"$1\" = -L ] && { echo 'NVIDIA-SMI has failed because it could not communicate "
+                   "with the NVIDIA driver.' >&2; exit 9; }\nexit 9\n")
     smi.chmod(0o755)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     monkeypatch.setenv("PATH", f"{smi.parent}:/usr/bin:/bin")
+    assert any("nvidia-smi -L: NVIDIA-SMI has failed because it could not communicate" in p
+               for p in problems_for(make_config, engine="sglang", gpus=[0]))
+    smi.write_text("#!/bin/sh\nprintf '0\\n1\\n'\n")
     assert not any("needs a GPU" in p for p in problems_for(make_config, engine="sglang"))
     assert not any("needs a GPU" in p for p in problems_for(make_config))  # the simulator runs on a CPU
 
@@ -219,8 +238,9 @@ def test_engine_combinations(make_config):
     problems = problems_for(make_config, engine="vllm", reasoning_parser="qwen3-thinking",
                             max_mamba_cache_size=80, concurrency_per_server=64,
                             max_running_requests=32)
-    assert any(p.startswith("reasoning_parser 'qwen3-thinking': vllm 0.32.0's list (no vllm imports with ")
-               and "has no such parser" in p for p in problems)
+    assert any(p.startswith("engine_python ") and "vllm does not import there" in p for p in problems)
+    assert any(p.startswith("reasoning_parser 'qwen3-thinking': vllm 0.32.0's list has no such parser")
+               for p in problems)
     assert any(p.startswith("max_mamba_cache_size: engine vllm has no equivalent option") for p in problems)
     assert any("concurrency_per_server 64 is above max_running_requests 32" in p for p in problems)
 
@@ -321,14 +341,25 @@ def test_the_longest_prompt_is_counted_on_a_bounded_prefix(make_config, tmp_path
     assert len(problems) == 1 and "longest prompt ('huge', at least" in problems[0], problems
 
 
-def test_thinking_off_with_the_events_layout_is_refused_with_the_layout_to_use(make_config):
-    """SpecForge's expander takes only turns with reasoning: with thinking off, the events layout
-    would leave every row out of the export after the GPU time is spent."""
-    for layout in ("events", "auto"):  # auto: the tiny Qwen3's template drops history reasoning
+def test_thinking_off_with_a_thinking_template_is_refused_and_the_way_out_passes_the_canary(make_config, sim_servers):
+    """The seed's disaster, caught before any GPU time: thinking off while training reads reasoning.
+    The refusal names the template and the layout to use; that config passes preflight, and the
+    canary then judges the answers themselves (the suggestion leads to no template failure)."""
+    from regen.canary import canary
+
+    for layout in ("events", "auto", "conversation"):  # auto: the tiny Qwen3's template drops history reasoning
         problems = problems_for(make_config, enable_thinking=False, train_layout=layout)
-        assert any(p.startswith("train_layout events") and "set train_layout: conversation" in p
-                   for p in problems), problems
-    assert problems_for(make_config, enable_thinking=False, train_layout="conversation") == []
+        assert len(problems) == 1 and problems[0].startswith("train_template 'qwen3-thinking' trains on reasoning"), problems
+        assert "set train_template: qwen3-instruct and train_layout: conversation" in problems[0]
+    fix = dict(enable_thinking=False, train_template="qwen3-instruct", train_layout="conversation")
+    assert problems_for(make_config, **fix) == []
+    assert any(p.startswith("train_layout events with enable_thinking off") and "set train_layout: conversation" in p
+               for p in problems_for(make_config, enable_thinking=False, train_template="qwen3-instruct",
+                                     train_layout="events"))
+    # The simulator answers "OK." without thinking (the seed's answers): the masks are that answer
+    # and its end of turn, nothing of a think block; the canary passes at a bound that short answers meet.
+    cfg, _ = sim_servers(num_servers=1, sim_tokens_per_second=2000, min_loss_tokens=2, **fix)
+    assert canary(cfg).passed
 
 
 def test_the_share_the_trainer_will_cut_is_estimated_before_any_gpu_time(make_config, tmp_path):

@@ -110,6 +110,17 @@ TRAIN_TEMPLATES: dict[str, TrainTemplate] = {
     "gpt-oss-naive": _general("<|start|>assistant<|channel|>analysis<|message|>", "<|end|>", system=None),
 }
 
+
+def answer_only_counterpart(name: str) -> str | None:
+    """The training template that reads the same chat format without a think block (what data made
+    with thinking off trains with), preferring one that takes the empty think block out of the mask;
+    None when the registry has none."""
+    thinking = TRAIN_TEMPLATES[name]
+    header = thinking.fmt.assistant_header.removesuffix("<think>\n").removesuffix("<think>")
+    plain = [other for other, t in TRAIN_TEMPLATES.items()
+             if not t.keeps_reasoning and t.fmt.assistant_header == header and t.fmt.end_of_turn == thinking.fmt.end_of_turn]
+    return min(plain, key=lambda other: not any("<think>" in i for i in TRAIN_TEMPLATES[other].ignore), default=None)
+
 # The rest of SpecForge 0.2.0's registry, and why regen cannot judge data for it exactly.
 UNSUPPORTED: dict[str, str] = {
     "gpt-oss": "SpecForge parses it with its Harmony parser (its own renderer and reasoning levels), "

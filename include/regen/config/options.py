@@ -122,7 +122,7 @@ class EngineOptions(Options):
     tool_call_parser: str | None = Field(
         None, title="Tool-call parser",
         description="`--tool-call-parser` of the engine (e.g. qwen25, qwen3_coder, hermes); checked "
-        "against the engine installed on the node. Empty: none.")
+        "against the engine installed on the node. Empty or `none`: no parser.")
     speculative_algorithm: SpeculativeAlgorithm | None = Field(
         None, title="Speculative algorithm",
         description="SGLang `--speculative-algorithm` (NEXTN is an alias of EAGLE, used for MTP).")
@@ -163,9 +163,10 @@ class EngineOptions(Options):
     @field_validator("reasoning_parser", "tool_call_parser")
     @classmethod
     def _parser_name(cls, value: str | None) -> str | None:
+        """``none`` (as `--tool-call-parser none` is typed) is no parser: the flag is left out."""
         if value is not None and not re.fullmatch(r"[A-Za-z0-9_\-]+", value):
             raise ValueError("must be a parser name such as qwen3")
-        return value or None
+        return None if not value or value.lower() == "none" else value
 
 
 class SimulatorOptions(Options):

@@ -7,9 +7,9 @@ standard library and the engine: regen need not be installed in the engine's ven
     ENGINE_PYTHON launch_check.py sglang|vllm [LAUNCH ARG ...]
 
 prints one JSON line: ``{"engine", "version", "reasoning_parsers", "tool_call_parsers", "error",
-"checked"}``; ``error`` is the engine's own message on the arguments (argparse's names the valid
-choices), or null; ``checked`` says how far the engine's checks went; ``engine`` is null when the
-engine does not import here.
+"checked", "not_checked"}``; ``error`` is the engine's own message on the arguments (argparse's
+names the valid choices), or null; ``checked`` says which of the engine's checks ran, and
+``not_checked`` each one that could not run here; ``engine`` is null when the engine does not import.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ def sglang(argv: list[str]) -> dict:
              "tool_call_parsers": sorted(TOOL_CALL_PARSER_NAMES)}
     # SGLang checks a model's arguments against its checkpoint in ServerArgs.resolve_once, which
     # imports its vision and GPU packages: a launch-time check on the node, not one run here.
-    return {**found, "error": verdict(lambda: prepare_server_args(argv)),
-            "checked": "its argument parser only (resolve_once, its checks against the model, runs at launch)"}
+    return {**found, "error": verdict(lambda: prepare_server_args(argv)), "checked": "its argument parser",
+            "not_checked": ["SGLang's checks of the arguments against the model (ServerArgs.resolve_once imports "
+                            "its GPU packages): they run at launch"]}
 
 
 def vllm(argv: list[str]) -> dict:
@@ -79,7 +80,7 @@ def main() -> int:
         with contextlib.redirect_stdout(sys.stderr):  # engines log to stdout while importing
             result = check(argv)
     except ImportError as exc:
-        result = {"engine": None, "error": f"{name} does not import with {sys.executable}: {exc}"}
+        result = {"engine": None, "error": f"{type(exc).__name__}: {exc}"}
     else:
         result = {"engine": name, **result}
     print(json.dumps(result))

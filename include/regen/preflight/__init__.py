@@ -140,6 +140,7 @@ def preflight(cfg: RunConfig, code: bool = True, run_id: str = "cli",
                                    + (f"\n{plan_line(info['servers'])}" if "servers" in info else "")
                                    + (f"\nlaunch command checked by {info['launch_checked_by']}"
                                       if cfg.engine != "sim" and "launch_checked_by" in info else "")
+                                   + "".join(f"\nnot checked here: {what}" for what in info.get("not_checked", []))
                                    + (f"\n{line}" if (line := trainer_cut_line(info.get("trainer_cut") or {})) else ""))
 
 

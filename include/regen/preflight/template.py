@@ -43,10 +43,8 @@ def tokenizer_checks(model: str, thresholds, enable_thinking: bool, longest: tup
         if enable_thinking and not template.keeps_reasoning:
             problems.append(f"train_template {thresholds.train_template!r}: SpecForge's parser for it "
                             f"drops reasoning_content, so training would see empty think blocks")
-        if not enable_thinking and thresholds.train_layout == "events":
-            problems.append(f"train_layout events (train_template {thresholds.train_template!r}) with "
-                            f"enable_thinking off: SpecForge's expander takes only turns with reasoning, so "
-                            f"every row would be left out of the export; set train_layout: conversation")
+        if not enable_thinking:
+            problems.extend(thinking_off_problems(thresholds.train_template, thresholds.train_layout))
     for problem in template_problems(tokenizer, enable_thinking, template.fmt):
         problems.append(f"model_path {model}: {problem}")
     try:
@@ -71,6 +69,24 @@ def tokenizer_checks(model: str, thresholds, enable_thinking: bool, longest: tup
         problems.append(f"max_tokens {max_tokens} + longest prompt ({prompt_id!r}, {at_least}{prompt_tokens} "
                         f"tokens) = {prompt_tokens + max_tokens} passes the context length {context}")
     return problems, info
+
+
+def thinking_off_problems(train_template: str, train_layout: str) -> list[str]:
+    """Data made with thinking off, trained as thinking data, is the seed's disaster: every mask an
+    empty think block and a few answer tokens. Each problem names the whole way out, so that
+    following it leads to a config the canary passes, not to the next refusal."""
+    from regen.chat.templates import TRAIN_TEMPLATES, answer_only_counterpart
+
+    if not TRAIN_TEMPLATES[train_template].keeps_reasoning:
+        return ([] if train_layout != "events" else
+                [f"train_layout events with enable_thinking off: SpecForge's expander takes only turns with "
+                 f"reasoning, so every row would be left out of the export; set train_layout: conversation"])
+    plain = answer_only_counterpart(train_template)
+    fix = (f"set train_template: {plain} and train_layout: conversation" if plain else
+           "no template of SpecForge's registry reads this format without a think block")
+    return [f"train_template {train_template!r} trains on reasoning, and enable_thinking is off: every sample "
+            f"would be an empty think block and a few answer tokens (the seed's 6-token masks); turn "
+            f"enable_thinking on, or {fix}"]
 
 
 def bounded(messages: list[dict], tokens: int) -> tuple[list[dict], bool]:

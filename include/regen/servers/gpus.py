@@ -42,6 +42,22 @@ def detect_gpus() -> list[str]:
     return [line.strip() for line in out.split() if line.strip().isdigit()]
 
 
+def gpu_visibility() -> str:
+    """What this process was told about GPUs, for the message that says none is visible: the
+    mask, and nvidia-smi's own words."""
+    mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+    said = f"CUDA_VISIBLE_DEVICES {'unset' if mask is None else repr(mask)}"
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return said + "; nvidia-smi not found"
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+    except (subprocess.SubprocessError, OSError) as exc:
+        return said + f"; nvidia-smi failed: {exc}"
+    words = (out.stdout.strip() or out.stderr.strip() or f"exit {out.returncode}").splitlines()
+    return said + f"; nvidia-smi -L: {words[0][:200] if words else 'nothing'}"
+
+
 def detect_gpu_memory_mib() -> int | None:
     """The smallest total memory among this machine's GPUs (MiB, as nvidia-smi reports it); None
     without one. The smallest: one plan must fit every server of the node."""
