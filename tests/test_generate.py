@@ -170,7 +170,7 @@ def test_sigkill_at_half_then_rerun_gives_every_id_once_and_resends_nothing(sim_
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_until(lambda: len({row["id"] for row in Journal.rows(journal)}) >= total // 2,
-                   timeout=120, what="half the shard journaled")
+                   timeout=120, what="half the shard journaled", max_pause=0.02)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

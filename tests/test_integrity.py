@@ -61,7 +61,7 @@ def turns_journaled(output: Path) -> dict[str, int]:
 def kill_when(proc: subprocess.Popen, output: Path, rows: int) -> set[str]:
     """SIGKILL ``proc`` once ``rows`` ids have a row; the ids written by then."""
     try:
-        wait_until(lambda: len(rows_written(output)) >= rows or proc.poll() is not None, 120, f"{rows} rows")
+        wait_until(lambda: len(rows_written(output)) >= rows or proc.poll() is not None, 120, f"{rows} rows", max_pause=0.02)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

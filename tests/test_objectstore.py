@@ -199,7 +199,7 @@ def test_sigkills_of_a_shard_writing_to_a_bucket_lose_and_duplicate_nothing(s3_s
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         target = before + rng.randint(1, 4)  # a part or a commit (or the claim) lands, then the kill
         wait_until(lambda: len(s3_server.keys(bucket, prefix)) >= target or proc.poll() is not None, 120,
-                   "the shard's next writes to the bucket")
+                   "the shard's next writes to the bucket", max_pause=0.02)
         if proc.poll() is not None:
             break
         proc.kill()

@@ -127,7 +127,7 @@ def kill_when(proc, ready, records) -> None:
     import signal
 
     try:
-        wait_until(lambda: ready() or proc.poll() is not None, 120, "conversations under way")
+        wait_until(lambda: ready() or proc.poll() is not None, 120, "conversations under way", max_pause=0.02)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

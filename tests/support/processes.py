@@ -21,15 +21,20 @@ def processes_with_args(*args: str) -> list[int]:
     return found
 
 
-def wait_until(predicate, timeout: float, what: str = "condition") -> None:
-    """Poll a condition with a deadline: the way to wait for another process, never a bare sleep."""
+def wait_until(predicate, timeout: float, what: str = "condition", max_pause: float = 0.5) -> None:
+    """Poll a condition with a deadline: the way to wait for another process, never a bare sleep.
+    The pause grows from 20 ms to half a second: a condition met at once costs no latency, and a
+    long wait does not hammer what it asks (polled every 20 ms, an Airflow API server spent a
+    core answering the suite's waits). A wait that must act the moment it holds (a kill mid-way)
+    keeps ``max_pause`` small."""
     import time
 
-    deadline = time.monotonic() + timeout
+    deadline, pause = time.monotonic() + timeout, 0.02
     while not predicate():
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not met within {timeout} s")
-        time.sleep(0.02)
+        time.sleep(pause)
+        pause = min(pause * 1.5, max_pause)
 
 
 def processes_with_env(name: str, value: str) -> list[int]:
