@@ -120,3 +120,55 @@ def test_weights_that_leave_no_room_are_refused_before_launch():
     with pytest.raises(ValueError, match="leave no memory for the KV cache"):
         capacity.plan(shape, capacity.gpu_memory_mib("H200"), capacity.LaunchFlags())
     assert capacity.plan(shape, capacity.gpu_memory_mib("H200"), capacity.LaunchFlags(tp_size=4)).kv_tokens > 0
+
+
+@pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason="SGLang's parser venv is built by `make test`")
+def test_absent_hybrid_fields_are_read_as_sglangs_own_config_class_reads_them(tmp_path):
+    """A Qwen3.6 config without its Gated-DeltaNet fields or the vision tower's hidden size was
+    planned with 0 MiB of request state and no state pool; SGLang's Qwen3_5Config fills them with
+    its defaults, and the plan now does the same. Without full_attention_interval SGLang cannot
+    type the layers: the plan is refused, naming the field."""
+    config = json.loads((QWEN36 / "config.json").read_text())
+    for name in capacity.HYBRID_DEFAULTS:
+        config["text_config"].pop(name)
+    config["vision_config"].pop("hidden_size")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors.index.json").write_text((QWEN36 / "model.safetensors.index.json").read_text())
+
+    def theirs() -> dict:
+        (model / "config.json").write_text(json.dumps(config))
+        out = subprocess.run([str(SGLANG_PYTHON), str(FIXTURES / "sglang_config.py"), str(model / "config.json")],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    sglang, shape = theirs(), capacity.ModelShape.of(model)
+    ours = {"linear_conv_kernel_dim": shape.linear_conv_kernel, "linear_key_head_dim": shape.linear_key_head_dim,
+            "linear_value_head_dim": shape.linear_value_head_dim, "linear_num_key_heads": shape.linear_key_heads,
+            "linear_num_value_heads": shape.linear_value_heads, "linear_layers": shape.linear_attention_layers,
+            "full_attention_layers": shape.full_attention_layers, "vision_hidden_size": shape.vision_hidden}
+    assert ours == sglang
+    point = capacity.plan(shape, capacity.gpu_memory_mib("B200"), capacity.LaunchFlags())
+    assert point.state_mib_per_request > 0 and point.state_slots
+
+    del config["text_config"]["full_attention_interval"]
+    config["text_config"].pop("layer_types", None)
+    assert "full_attention_interval" in theirs()["error"]
+    with pytest.raises(ValueError, match="without full_attention_interval, which SGLang 0.5.23 cannot load"):
+        capacity.ModelShape.of(model)
+
+
+def test_a_model_folder_without_weights_is_refused_not_planned_on_zeros(make_config, tmp_path):
+    """No weights and no index: the dry run's operating point names the gap instead of promising
+    48 requests per server on 0.0 GiB of weights."""
+    from regen.servers.plan import operating_point
+
+    model = tmp_path / "empty"
+    model.mkdir()
+    (model / "config.json").write_text((QWEN36 / "config.json").read_text())
+    with pytest.raises(ValueError, match="no weights to size"):
+        capacity.ModelShape.of(model)
+    point = operating_point(make_config(model_path=str(model)), "B200")
+    assert point == {"problem": f"{model}: no operating point: {model}: no weights to size (no *.safetensors, "
+                                "no model.safetensors.index.json with metadata.total_size)"}

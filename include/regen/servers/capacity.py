@@ -31,6 +31,13 @@ STATE_SLOTS_BASE, STATE_SLOTS_EXTRA_BUFFER = 3, 2
 MAMBA_FULL_MEMORY_RATIO = 0.9  # SGLang's default share of state memory to KV memory
 SPECULATIVE_DEFAULT_CAP = 48  # SGLang's max_running_requests under speculative decoding when not given
 FAR_OFF = 2.0  # a reported limit this many times away from the plan is worth a sentence
+# SGLang 0.5.23's hybrid configs (sglang/srt/configs/qwen3_next.py, qwen3_5.py): their model types,
+# the Gated-DeltaNet defaults of Qwen3NextConfig, which Qwen3.5/3.6's text config inherits, and the
+# vision tower's hidden size by default (Qwen3VLVisionConfig).
+HYBRID_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
+HYBRID_DEFAULTS = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                   "linear_num_key_heads": 16, "linear_num_value_heads": 32}
+VISION_HIDDEN_DEFAULT = 1152
 
 
 @dataclass(frozen=True)
@@ -99,11 +106,23 @@ class ModelShape:
 
     @classmethod
     def of(cls, model_dir: str | Path) -> "ModelShape":
+        """The shape as SGLang 0.5.23 reads it: a hybrid model's absent fields take its config
+        class's defaults; a config it could not load, or a folder without weights, is refused
+        (ValueError naming what is missing) rather than planned on zeros."""
         model_dir = Path(model_dir)
         config = json.loads((model_dir / "config.json").read_text())
         text, vision = text_config(config), config.get("vision_config") or {}
         layers = int(text["num_hidden_layers"])
         kinds = text.get("layer_types")
+        hybrid = {text.get("model_type"), config.get("model_type")} & HYBRID_MODEL_TYPES
+        if hybrid:
+            # SGLang's Qwen3NextConfig types its layers by full_attention_interval alone, which has no default.
+            if not text.get("full_attention_interval"):
+                raise ValueError(f"{model_dir / 'config.json'}: a {sorted(hybrid)[0]} config without "
+                                 "full_attention_interval, which SGLang 0.5.23 cannot load (its Qwen3NextConfig has "
+                                 "no default for it)")
+            text = {**HYBRID_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
+            kinds = None
         if not kinds and text.get("full_attention_interval"):
             kinds = ["full_attention" if (i + 1) % text["full_attention_interval"] == 0 else "linear_attention"
                      for i in range(layers)]
@@ -122,9 +141,9 @@ class ModelShape:
                    mamba_ssm_dtype=text.get("mamba_ssm_dtype"),
                    draft_layers=int(text.get("mtp_num_hidden_layers") or text.get("num_nextn_predict_layers") or 0),
                    # SGLang reads num_hidden_layers, which Qwen's vision configs do not have (they say
-                   # depth): it takes its default 24, and so does this.
+                   # depth): it takes its default 24, and so does this; hidden_size defaults as its class's.
                    vision_layers=int(vision.get("num_hidden_layers") or 24) if vision else 0,
-                   vision_hidden=int(vision.get("hidden_size") or 0))
+                   vision_hidden=int(vision.get("hidden_size") or VISION_HIDDEN_DEFAULT) if vision else 0)
 
     def state_bytes_per_request(self, tp_size: int, ssm_dtype: str | None) -> int:
         """One request's Gated-DeltaNet state on one GPU: a conv window over q, k and v plus the
@@ -147,13 +166,18 @@ class ModelShape:
 
 
 def weight_bytes(model_dir: Path) -> int:
-    """The checkpoint's size: the index's ``total_size`` when it ships one, else its files."""
+    """The checkpoint's size: the index's ``total_size`` when it ships one, else its files; a
+    folder with neither is refused (a plan on 0 GiB of weights promised three times the requests)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         total = (json.loads(index.read_text()).get("metadata") or {}).get("total_size")
         if isinstance(total, int) and total > 0:
             return total
-    return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    files = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no weights to size (no *.safetensors, no model.safetensors.index.json "
+                         "with metadata.total_size)")
+    return files
 
 
 def gpu_memory_mib(gpu: str) -> int:
