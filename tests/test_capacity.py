@@ -23,6 +23,8 @@ CASES = [  # (GPU, launch flags): the defaults with MTP, and each flag the plan 
     ("B200", capacity.LaunchFlags(mamba_ssm_dtype="bfloat16", speculative_num_draft_tokens=4)),
     ("H200", capacity.LaunchFlags(disable_radix_cache=True, max_running_requests=64)),
     ("H200", capacity.LaunchFlags(tp_size=2, max_mamba_cache_size=300, speculative_num_draft_tokens=4)),
+    # The seed's own servers: 7 x B200, MTP, --max-running-requests 48 --max-mamba-cache-size 80.
+    ("B200", capacity.LaunchFlags(max_running_requests=48, max_mamba_cache_size=80, speculative_num_draft_tokens=4)),
 ]
 
 
@@ -172,3 +174,39 @@ def test_a_model_folder_without_weights_is_refused_not_planned_on_zeros(make_con
     point = operating_point(make_config(model_path=str(model)), "B200")
     assert point == {"problem": f"{model}: no operating point: {model}: no weights to size (no *.safetensors, "
                                 "no model.safetensors.index.json with metadata.total_size)"}
+
+
+def test_the_seeds_launch_is_planned_and_its_seven_requests_per_server_are_named_as_under_use(make_config, tmp_path):
+    """The seed's B200 launch (MTP, --max-mamba-cache-size 80) runs 16 requests per server, and
+    the seed sent 7 to each: the dry run warns, with the value to set; the canary says the same
+    from what a launched server reports (/server_info)."""
+    from regen.canary import canary
+
+    seed = dict(model_path=str(QWEN36), engine="sglang", gpus=list(range(7)), max_tokens=32768,
+                speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=1,
+                speculative_num_draft_tokens=4, max_running_requests=48, max_mamba_cache_size=80)
+    config = tmp_path / "run.yaml"
+    config.write_text(make_config(concurrency_per_server=7, **seed).model_dump_json())
+    out = subprocess.run([str(Path(sys.executable).parent / "regen"), "serve", "--config", str(config), "--dry-run",
+                          "--gpu", "B200"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    point = json.loads(out.stdout)["operating_point"]
+    assert point["max_running_requests"] == 16 and point["kv_tokens"] > 1_000_000
+    warning = (f"warning: concurrency_per_server 7 keeps 7 of the 16 requests a server can run busy (44%, the plan): "
+               f"set concurrency_per_server: 16")
+    assert warning in out.stderr
+    config.write_text(make_config(concurrency_per_server=16, **seed).model_dump_json())
+    assert "warning" not in subprocess.run([str(Path(sys.executable).parent / "regen"), "serve", "--config", str(config),
+                                            "--dry-run", "--gpu", "B200"], capture_output=True, text=True,
+                                           timeout=120).stderr
+    from regen.servers.lifecycle import launch_servers, stop_records
+
+    cfg = make_config(num_servers=1, concurrency_per_server=7, max_tokens=256,
+                      extra_server_args=["--sim-effective-max-running-requests", "16"])
+    records = launch_servers(cfg, cfg.model_path)
+    try:
+        report = canary(cfg)
+    finally:
+        stop_records(records)
+    assert report.estimate["under_use"].startswith(
+        f"concurrency_per_server 7 keeps 7 of the 16 requests a server can run busy (44%, as server {records[0].url} reports)")

@@ -24,7 +24,7 @@ from regen.placement import servers_for
 from regen.progress import RunProgress
 from regen.prompts import Prompt, read_prompts
 from regen.results import CanaryReport
-from regen.servers.plan import against_plan
+from regen.servers.plan import against_plan, reported_under_use
 from regen.toolcalls import written_call
 from regen.turns import TOOL_DIVERGENCE, Conversation, steps
 from regen.units import format_duration
@@ -327,6 +327,10 @@ def canary(cfg: RunConfig, run_id: str | None = None) -> CanaryReport:
     if off_plan:
         log.warning("%s", off_plan)
         result.estimate["off_plan"] = off_plan
+    idle = reported_under_use(cfg, servers[0])
+    if idle:
+        log.warning("%s", idle)
+        result.estimate["under_use"] = idle
     return CanaryReport(
         passed=True, samples=len(result.rows), estimate=result.estimate,
         examples=[{"id": r["id"], "turns": len(r.get("turns") or [1]),
@@ -336,4 +340,4 @@ def canary(cfg: RunConfig, run_id: str | None = None) -> CanaryReport:
         summary=f"canary passed: {len(result.rows)} samples; estimate: {result.estimate.get('text', 'n/a')}"
                 + (f"; the trainer cuts {cut:.0%} of its samples at train_max_length {result.estimate['train_max_length']:,}"
                    if (cut := result.estimate.get("trainer_cut_fraction")) else "")
-                + (f"; {off_plan}" if off_plan else ""))
+                + (f"; {off_plan}" if off_plan else "") + (f"; {idle}" if idle else ""))

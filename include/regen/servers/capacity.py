@@ -330,3 +330,13 @@ def compare(planned: dict[str, Any], token_capacity: int | None, effective: int 
         notes.append(f"it runs up to {effective} requests, the plan {planned['max_running_requests']} "
                      f"({planned['limited_by']})")
     return "; ".join(notes) or None
+
+
+def under_use(concurrency: int | None, can_run: int | None, whose: str = "the plan") -> str | None:
+    """A sentence when the run sends a server less than half of what it can run at once (the seed
+    sent 7 per server to servers that could run 16), with the value to set; None otherwise."""
+    if not concurrency or not can_run or concurrency * 2 >= can_run:
+        return None
+    return (f"concurrency_per_server {concurrency} keeps {concurrency} of the {can_run} requests a server can run "
+            f"busy ({concurrency / can_run:.0%}, {whose}): set concurrency_per_server: {can_run}, or leave it "
+            f"empty to follow each server's own limit")

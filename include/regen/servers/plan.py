@@ -64,7 +64,8 @@ def operating_point(cfg: RunConfig, gpu: str | None = None) -> dict | None:
         point = capacity.plan_for(cfg, cfg.model_path, gpu or str(detected), cfg.sampling.max_tokens)
     except (ValueError, KeyError, TypeError) as exc:  # weights too large, or a config it cannot read
         return {"problem": f"{cfg.model_path}: no operating point: {exc}"}
-    return {**asdict(point), "summary": point.lines()}
+    idle = capacity.under_use(cfg.generation.concurrency_per_server, point.max_running_requests)
+    return {**asdict(point), "under_use": idle, "summary": point.lines() + ([f"warning: {idle}"] if idle else [])}
 
 
 def against_plan(cfg: RunConfig, record: ServerRecord) -> str | None:
@@ -85,4 +86,23 @@ def against_plan(cfg: RunConfig, record: ServerRecord) -> str | None:
             tokens = (states[0].get("memory_usage") or {}).get("token_capacity")
             note = capacity.compare(planned, tokens, adapter.effective_limit(info, None))
             return f"server {record.url}: {note}; plan: {' / '.join(planned['summary'])}" if note else None
+    return None
+
+
+def reported_under_use(cfg: RunConfig, record: ServerRecord) -> str | None:
+    """After launch: a sentence when the run's concurrency leaves more than half of what the
+    server says it runs at once (``/server_info``) unused; None otherwise or when it does not say."""
+    if not cfg.generation.concurrency_per_server:
+        return None
+    adapter = engine(cfg.engine)
+    headers = {"Authorization": f"Bearer {record.api_key}"} if record.api_key else {}
+    for path in adapter.info_paths:
+        try:
+            info = httpx2.get(f"{record.url}{path}", headers=headers, timeout=10).json()
+        except (httpx2.HTTPError, ValueError):
+            continue
+        if isinstance(info, dict):
+            idle = capacity.under_use(cfg.generation.concurrency_per_server, adapter.effective_limit(info, None),
+                                      f"as server {record.url} reports")
+            return idle
     return None
