@@ -47,7 +47,9 @@ def test_answers_cut_at_max_tokens_fail_the_canary_with_a_sample(sim_servers):
     with pytest.raises(CanaryFailed) as err:
         canary(cfg)
     message = str(err.value)
-    assert "answers hit max_tokens 20 (above max_truncated_fraction 10%): raise max_tokens" in message
+    # The value to set, from what the canary saw: every answer was cut, so twice the cut, rounded up.
+    assert ("answers hit max_tokens 20 (above max_truncated_fraction 10%): raise max_tokens to at least 1,024 "
+            "(no answer finished; the model's traces are longer)") in message
     assert "answers are empty" in message  # cut inside the thinking: no answer at all
     assert '"finish_reason": "length"' in message
     with pytest.raises(CanaryFailed) as err:  # the bound is the run's: every answer cut may be what it wants
@@ -218,3 +220,13 @@ def test_samples_that_are_not_what_the_engine_served_fail_the_canary_naming_why(
                       r"generated \(min_on_policy_fraction 95% would not hold; why: on_policy \{'system_prompt': (\d+)\}",
                       str(err.value))
     assert every and every[1] == every[2], str(err.value)  # every sample, each for that cause
+
+
+def test_the_advised_max_tokens_covers_the_longest_answer_that_finished():
+    from regen.canary import max_tokens_advice
+
+    rows = [{"finish_reason": "stop", "completion_tokens": 7000}, {"finish_reason": "length", "completion_tokens": 4096},
+            {"finish_reason": "stop", "completion_tokens": 1200}]
+    assert max_tokens_advice(rows, 4096) == ("raise max_tokens to at least 9,216 (the longest answer that finished "
+                                             "took 7,000 tokens; the model's traces are longer)")
+    assert max_tokens_advice(rows[1:], 4096).startswith("raise max_tokens to at least 8,192 ")

@@ -228,7 +228,7 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
           f"{thresholds.min_loss_tokens}, or no reasoning while thinking is on): the audit's limit of "
           f"{cfg.audit.max_degenerate_fraction:.1%} would not hold", plausible=cfg.audit.max_degenerate_fraction)
     check("truncated", f"answers hit max_tokens {cfg.sampling.max_tokens} (above max_truncated_fraction "
-          f"{cfg.canary.max_truncated_fraction:.0%}): raise max_tokens, the model's traces are longer",
+          f"{cfg.canary.max_truncated_fraction:.0%}): {max_tokens_advice(rows, cfg.sampling.max_tokens)}",
           limit=cfg.canary.max_truncated_fraction)
     agentic = [r for r in rows if r.get("tools")]
     written = calls_not_parsed(agentic, prompts)
@@ -308,6 +308,17 @@ def level_to_keep(measured: list[dict], every_slot: int) -> int | None:
     top, best = measured[-1], max(measured, key=lambda m: m["tokens_per_s"])
     faster = best is not top and best["tokens_per_s"] > top["tokens_per_s"] * (1 + SWEEP_GAIN)
     return best["concurrency_per_server"] if faster else None
+
+
+def max_tokens_advice(rows: list[dict], max_tokens: int) -> str:
+    """The value to raise max_tokens to, from the lengths the canary saw: twice the cut, and at
+    least a quarter above the longest answer that finished, rounded up to 1,024."""
+    finished = [r["completion_tokens"] for r in rows
+                if r.get("finish_reason") == "stop" and isinstance(r.get("completion_tokens"), int)]
+    longest = max(finished, default=0)
+    value = -(-max(2 * max_tokens, int(longest * 1.25)) // 1024) * 1024
+    seen = f"the longest answer that finished took {longest:,} tokens" if finished else "no answer finished"
+    return f"raise max_tokens to at least {value:,} ({seen}; the model's traces are longer)"
 
 
 EXAMPLE_CHARS = 600  # of each example's reasoning and answer, for a person approving the run
