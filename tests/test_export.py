@@ -158,6 +158,28 @@ def test_the_specforge_recipe_accounts_for_every_prompt_and_its_files_pass_its_s
         "train_data_path": str((out / "regenerated_events.jsonl").resolve()), "chat_template": "qwen3-thinking",
         "max_length": 2048, "train_only_last_turn": True}
 
+    # Exported from the shell without --config: the recipe the audit judged, not the built-in
+    # defaults; a flag that contradicts it is refused unless forced.
+    audited = subprocess.run([str(BIN / "regen"), "audit", "--data", cfg.output, "--tokenizer", str(tiny_model),
+                              "--train-max-length", "4096"], capture_output=True, text=True, timeout=300)
+    assert json.loads((Path(cfg.output) / "audit" / "summary.json").read_text())["train_view"]["max_length"] == 4096, \
+        audited.stderr[-2000:]
+
+    def export(folder: str, *flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(BIN / "regen"), "export", "--data", cfg.output, "--format", "specforge", "--tokenizer",
+                               str(tiny_model), "--out", str(tmp_path / folder), *flags],
+                              capture_output=True, text=True, timeout=300)
+
+    assert export("as-audited").returncode == 0
+    data = yaml.safe_load((tmp_path / "as-audited" / "specforge_data.yaml").read_text())["regenerated_events.jsonl"]["data"]
+    assert (data["chat_template"], data["max_length"]) == ("qwen3-thinking", 4096)
+    refused = export("contradicts", "--train-max-length", "2048")
+    assert refused.returncode != 0 and not (tmp_path / "contradicts").exists()
+    assert "train_max_length 2048: the audit of" in refused.stderr and "with train_max_length 4096" in refused.stderr
+    assert export("forced", "--train-max-length", "2048", "--force").returncode == 0
+    assert yaml.safe_load((tmp_path / "forced" / "specforge_data.yaml").read_text())[
+        "regenerated_events.jsonl"]["data"]["max_length"] == 2048
+
     scripts = specforge_scripts(tmp_path / "specforge")
     if scripts is not None:  # SpecForge's own scripts on the same files
         checked = subprocess.run([sys.executable, str(scripts / "validate_regenerated_data.py"), "--data-path",

@@ -21,7 +21,7 @@ from regen.audit.findings import AuditFailed
 from regen.config import RunConfig, run_fields
 from regen.engines.simulator.app import main as simulator_main
 from regen.errors import DataError, RegenError
-from regen.export import RecipeIncomplete, export_sharegpt, export_specforge, export_tokens
+from regen.export import RecipeConflict, RecipeIncomplete, export_recipe, export_sharegpt, export_specforge, export_tokens
 from regen.files import read_json
 from regen.objectstore import is_store_url, local_path
 from regen.pipeline import execute, run
@@ -209,23 +209,33 @@ def cmd_audit(args) -> int:
 
 
 def cmd_export(args) -> int:
+    """Every format writes the recipe the output was audited with (regen.export.export_recipe);
+    flags override it, and one that contradicts it is refused unless --force."""
+    cfg = load_config(args)
+    try:
+        recipe = export_recipe(args.data, {"train_template": cfg.audit.train_template,
+                                           "train_layout": cfg.audit.train_layout,
+                                           "train_max_length": cfg.audit.train_max_length}, force=args.force)
+    except RecipeConflict as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_FAILED
+    tokenizer = args.tokenizer or ("model_path" not in _overrides(args) and not args.config and recipe["model_path"]
+                                   or cfg.model_path)
     if args.format == "specforge":
-        cfg = load_config(args)
         try:
-            result = export_specforge(args.data, args.out, args.tokenizer or cfg.model_path, cfg.audit.train_template,
-                                      cfg.audit.train_layout, cfg.audit.train_max_length)
+            result = export_specforge(args.data, args.out, tokenizer, recipe["train_template"], recipe["train_layout"],
+                                      recipe["train_max_length"])
         except RecipeIncomplete as exc:
             print(exc, file=sys.stderr)
             return EXIT_FAILED
         print(result.summary())
         return 0
     if args.format == "tokens":
-        cfg = load_config(args)
-        result = export_tokens(args.data, args.out, args.tokenizer or cfg.model_path, cfg.audit.train_template,
-                               cfg.audit.train_layout, cfg.enable_thinking)
+        result = export_tokens(args.data, args.out, tokenizer, recipe["train_template"], recipe["train_layout"],
+                               cfg.enable_thinking)
     else:
         result = export_sharegpt(args.data, args.out, expect_reasoning=args.expect_reasoning,
-                                 train_layout="events" if args.train_layout == "events" else "conversation")
+                                 train_layout="events" if recipe["train_layout"] == "events" else "conversation")
     print(result.summary())
     return 0
 
@@ -351,15 +361,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["sharegpt", "tokens", "specforge"], default="sharegpt",
                    help="sharegpt: conversations (text); tokens: input_ids and loss_mask from the "
                         "tokens the engine returned; specforge: every file of SpecForge's recipe, in the "
-                        "folder --out, with the `data:` block of each. --train-layout picks one record per "
-                        "prompt (conversation: sharegpt's default, what SpecForge's regenerate script writes "
-                        "and its validator checks) or per assistant turn (events: what its "
-                        "expand_reasoning_conversations.py writes; train with train_only_last_turn); tokens "
-                        "and specforge default to the run's")
+                        "folder --out, with the `data:` block of each. Every format writes the recipe the output's "
+                        "audit judged (template, layout, max length); --train-layout picks one record per "
+                        "prompt (conversation: what SpecForge's regenerate script writes and its validator "
+                        "checks) or per assistant turn (events: what its expand_reasoning_conversations.py "
+                        "writes; train with train_only_last_turn)")
     p.add_argument("--tokenizer", help="tokens, specforge: tokenizer directory (default: the model path)")
     p.add_argument("--out", required=True, type=Path, help="JSONL file to write (specforge: a folder)")
     p.add_argument("--expect-reasoning", action=argparse.BooleanOptionalAction, default=True,
                    help="leave out rows without reasoning (default), as training with thinking needs")
+    p.add_argument("--force", action="store_true",
+                   help="write a recipe (--train-template, --train-layout, --train-max-length) other than the one "
+                        "the output's audit judged")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("config", help="print the validated config (YAML, or JSON for --conf)")

@@ -30,6 +30,40 @@ from regen.rows import asked_thinking, iter_batches, row_messages
 from regen.training import (TrainLayout, conversation_record, event_records, history_kept, served, training_conversation,
                             training_samples, why_left_out)
 
+class RecipeConflict(ValueError):
+    """A flag that contradicts what the output's audit judged the data with."""
+
+
+# The training recipe as the audit's summary.json names it (its train_view) and as the config does.
+RECIPE_FIELDS = {"train_template": "template", "train_layout": "layout", "train_max_length": "max_length"}
+RECIPE_UNSET = {"train_template": "auto", "train_layout": "auto", "train_max_length": None}
+
+
+def export_recipe(data: str | Path, given: dict, force: bool = False) -> dict:
+    """The recipe an export writes: the one the output's audit judged (so training sees what passed),
+    each field ``given`` (a flag or the config, when set) in its place; a template or max length that
+    differs from the audited one is refused unless ``force``. Without an audit, what is given; the
+    tokenizer is the run's model (its manifest) when that folder is here."""
+    from regen.files import read_json
+
+    layout = RunLayout.from_data_arg(data)
+    view = (read_json(layout.audit.summary_json) or {}).get("train_view") or {}
+    recipe_ = {}
+    for name, key in RECIPE_FIELDS.items():
+        audited, wanted = view.get(key, RECIPE_UNSET[name]), given.get(name, RECIPE_UNSET[name])
+        # The layout is a file's shape (the conversation file is the events recipe's input), not
+        # another mask: a flag may choose either; template and max length would change every mask.
+        if (wanted != RECIPE_UNSET[name] and key in view and wanted != audited and name != "train_layout"
+                and not force):
+            raise RecipeConflict(f"{name} {wanted!r}: the audit of {layout.root} judged this data with {name} "
+                                 f"{audited!r} ({layout.audit.summary_json}); training another way would see other "
+                                 f"masks than the ones that passed. Leave it out to export the audited recipe, audit "
+                                 f"again with it, or pass --force")
+        recipe_[name] = wanted if wanted != RECIPE_UNSET[name] else audited
+    model = (Manifest(layout).read().get("model") or {}).get("source")
+    return {**recipe_, "model_path": model if model and Path(model, "tokenizer_config.json").is_file() else None}
+
+
 @dataclass
 class ExportResult:
     path: Path
