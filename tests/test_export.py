@@ -180,8 +180,21 @@ def test_the_specforge_recipe_accounts_for_every_prompt_and_its_files_pass_its_s
     assert yaml.safe_load((tmp_path / "forced" / "specforge_data.yaml").read_text())[
         "regenerated_events.jsonl"]["data"]["max_length"] == 2048
 
+    # The chat file alone (--format sharegpt) on a run with agentic rows: they are left out and
+    # counted, so the file passes SpecForge's validator (which refuses tool messages).
+    shared = subprocess.run([str(BIN / "regen"), "export", "--data", cfg.output, "--format", "sharegpt", "--tokenizer",
+                             str(tiny_model), "--train-layout", "conversation", "--out", str(tmp_path / "chat.jsonl")],
+                            capture_output=True, text=True, timeout=300)
+    assert shared.returncode == 0, shared.stderr[-2000:]
+    assert "wrote 7 conversations" in shared.stdout and "agentic, in --format specforge's own file 3" in shared.stdout
+    assert sorted(assert_specforge_valid(tmp_path / "chat.jsonl")) == sorted(r["id"] for r in chat)
+
     scripts = specforge_scripts(tmp_path / "specforge")
     if scripts is not None:  # SpecForge's own scripts on the same files
+        checked = subprocess.run([sys.executable, str(scripts / "validate_regenerated_data.py"), "--data-path",
+                                  str(tmp_path / "chat.jsonl"), "--expect-reasoning", "--strict-think-markers"],
+                                 capture_output=True, text=True, timeout=120)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
         checked = subprocess.run([sys.executable, str(scripts / "validate_regenerated_data.py"), "--data-path",
                                   str(out / "regenerated.jsonl"), "--expect-reasoning", "--strict-think-markers"],
                                  capture_output=True, text=True, timeout=120)

@@ -119,7 +119,7 @@ def assert_loss_tokens_are_specforges(tokenizer_dir, tmp_path, rows, template, t
     data.mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(rows, schema=ROW_SCHEMA), data / "shard.parquet")
     export = tmp_path / "train.jsonl"
-    written = export_sharegpt(data, export, expect_reasoning=thinking, train_layout=layout).written
+    written = export_sharegpt(data, export, expect_reasoning=thinking, train_layout=layout, agentic=True).written
     assert written == (len(rows) if layout == "conversation" else sum(len(r["turns"]) for r in rows))
 
     audited = {}

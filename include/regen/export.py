@@ -6,10 +6,10 @@ one line per prompt, every regenerated assistant turn with its reasoning; with `
 what its ``expand_reasoning_conversations.py`` writes from that file (regen.training). Rows that
 would fail ``scripts/validate_regenerated_data.py --expect-reasoning --strict-think-markers``
 (failed prompts, empty messages, roles out of order, an assistant turn without reasoning,
-leftover think markers) are left out and counted. Agentic rows are written too, in its trainer's
-tool-use shape, which that validator and expander refuse (tool messages, call steps without
-text): ``specforge`` (:func:`export_specforge`) writes every file of SpecForge's recipe, the
-agentic rows in one of their own, and accounts for every prompt.
+leftover think markers, and agentic rows: tool messages, call steps without text) are left out
+and counted, so the file passes that validator. ``specforge`` (:func:`export_specforge`) writes
+every file of SpecForge's recipe, the agentic rows in one of their own in its trainer's tool-use
+shape, and accounts for every prompt.
 """
 
 from __future__ import annotations
@@ -26,13 +26,17 @@ from regen.chat.templates import TRAIN_TEMPLATES, recipe
 from regen.files import atomic_file, atomic_write_text
 from regen.layout import RunLayout
 from regen.manifest import Manifest
-from regen.rows import asked_thinking, iter_batches, row_messages
+from regen.rows import asked_thinking, iter_batches, row_messages, row_tools
 from regen.training import (TrainLayout, conversation_record, event_records, history_kept, served, training_conversation,
                             training_samples, why_left_out)
 
 class RecipeConflict(ValueError):
     """A flag that contradicts what the output's audit judged the data with."""
 
+
+# Why sharegpt leaves an agentic row out: SpecForge's validator refuses its tool messages; the recipe export
+# (--format specforge) writes such rows in a file of their own, in its trainer's tool-use shape.
+AGENTIC_LEFT_OUT = "agentic, in --format specforge's own file"
 
 # The training recipe as the audit's summary.json names it (its train_view) and as the config does.
 RECIPE_FIELDS = {"train_template": "template", "train_layout": "layout", "train_max_length": "max_length"}
@@ -81,9 +85,11 @@ class ExportResult:
 
 
 def export_sharegpt(data_dir: str | Path, out: str | Path, expect_reasoning: bool = True,
-                    train_layout: TrainLayout = "conversation") -> ExportResult:
+                    train_layout: TrainLayout = "conversation", agentic: bool = False) -> ExportResult:
     """Stream the shards into ``out``, written beside it and renamed into place when complete:
-    one conversation per prompt, or (``events``) what SpecForge's expander writes from that file."""
+    one conversation per prompt, or (``events``) what SpecForge's expander writes from that file.
+    ``agentic``: agentic rows too, in its trainer's tool-use shape (which its validator refuses);
+    else they are left out and counted."""
     written = 0
 
     def record(row: dict) -> tuple[list[dict], str | None]:
@@ -92,6 +98,8 @@ def export_sharegpt(data_dir: str | Path, out: str | Path, expect_reasoning: boo
         if reason:
             return [], reason
         doc = conversation_record(row)
+        if not agentic and (row_tools(row) or any(m["role"] == "tool" or m.get("tool_calls") for m in doc["conversations"])):
+            return [], AGENTIC_LEFT_OUT  # its validator refuses tool messages and call steps without text
         written += 1
         return (event_records(doc, written - 1, history_kept(row)) if train_layout == "events" else [doc]), None
 
