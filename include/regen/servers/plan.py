@@ -74,19 +74,13 @@ def against_plan(cfg: RunConfig, record: ServerRecord) -> str | None:
     planned = operating_point(cfg)
     if not planned or "kv_tokens" not in planned:
         return None
-    adapter = engine(cfg.engine)
-    headers = {"Authorization": f"Bearer {record.api_key}"} if record.api_key else {}
-    for path in adapter.info_paths:
-        try:
-            info = httpx2.get(f"{record.url}{path}", headers=headers, timeout=10).json()
-        except (httpx2.HTTPError, ValueError):
-            continue
-        if isinstance(info, dict):
-            states = [s for s in info.get("internal_states") or [] if isinstance(s, dict)] or [{}]
-            tokens = (states[0].get("memory_usage") or {}).get("token_capacity")
-            note = capacity.compare(planned, tokens, adapter.effective_limit(info, None))
-            return f"server {record.url}: {note}; plan: {' / '.join(planned['summary'])}" if note else None
-    return None
+    info = server_info(cfg, record)
+    if info is None:
+        return None
+    states = [s for s in info.get("internal_states") or [] if isinstance(s, dict)] or [{}]
+    tokens = (states[0].get("memory_usage") or {}).get("token_capacity")
+    note = capacity.compare(planned, tokens, engine(cfg.engine).effective_limit(info, None))
+    return f"server {record.url}: {note}; plan: {' / '.join(planned['summary'])}" if note else None
 
 
 def reported_under_use(cfg: RunConfig, record: ServerRecord) -> str | None:
@@ -94,15 +88,20 @@ def reported_under_use(cfg: RunConfig, record: ServerRecord) -> str | None:
     server says it runs at once (``/server_info``) unused; None otherwise or when it does not say."""
     if not cfg.generation.concurrency_per_server:
         return None
-    adapter = engine(cfg.engine)
+    info = server_info(cfg, record)
+    return None if info is None else capacity.under_use(
+        cfg.generation.concurrency_per_server, engine(cfg.engine).effective_limit(info, None),
+        f"as server {record.url} reports")
+
+
+def server_info(cfg: RunConfig, record: ServerRecord) -> dict | None:
+    """The server's own account of itself (SGLang's ``/server_info``, or the engine's equivalent)."""
     headers = {"Authorization": f"Bearer {record.api_key}"} if record.api_key else {}
-    for path in adapter.info_paths:
+    for path in engine(cfg.engine).info_paths:
         try:
             info = httpx2.get(f"{record.url}{path}", headers=headers, timeout=10).json()
         except (httpx2.HTTPError, ValueError):
             continue
         if isinstance(info, dict):
-            idle = capacity.under_use(cfg.generation.concurrency_per_server, adapter.effective_limit(info, None),
-                                      f"as server {record.url} reports")
-            return idle
+            return info
     return None
