@@ -61,14 +61,18 @@ def test_what_cannot_be_replayed_is_refused_by_rule_naming_the_line(tmp_path, me
     assert isinstance(bad, PromptError) and (bad.rule, bad.line) == (rule, 2) and where in bad.reason, bad
 
 
-def test_preflight_counts_agentic_rows_and_asks_for_the_tool_call_parser(make_config, tmp_path):
+def test_preflight_counts_agentic_rows_and_asks_for_the_tool_call_parser(make_config, tmp_path, qwen36_dir):
+    """The parser it asks for is the one that reads the calls the model's template writes: Qwen3's
+    JSON in <tool_call> (qwen25), Qwen3.5/3.6's <function=...> (qwen3_coder, never qwen25)."""
     from regen.pipeline import run
     from regen.preflight import PreflightFailed
 
     path = write_jsonl(tmp_path / "p.jsonl", [OPENAI, {"id": "chat", "prompt": "Hello?"}])
-    with pytest.raises(PreflightFailed) as err:
-        run("preflight", make_config(prompts=str(path)))
-    assert any("1 agentic conversations (tools, tool calls) and no tool_call_parser" in p for p in err.value.problems)
+    for model, parser in ((None, "qwen25"), (qwen36_dir, "qwen3_coder")):
+        with pytest.raises(PreflightFailed) as err:
+            run("preflight", make_config(prompts=str(path), **({"model_path": str(model)} if model else {})))
+        assert any("1 agentic conversations (tools, tool calls) and no tool_call_parser" in p
+                   and f"({parser}: its chat template writes calls in that format)" in p for p in err.value.problems)
     result = run("preflight", make_config(prompts=str(path), tool_call_parser="qwen25"))
     assert result.info["agentic_prompts"] == 1 and "2 prompts, 1 of them agentic" in result.summary
 

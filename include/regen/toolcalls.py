@@ -21,6 +21,19 @@ CALL_MARKUP = re.compile(r"<tool_call>|<function=|\[TOOL_CALLS\]|<\|python_tag\|
                          r"|<\|tool_calls_section_begin\|>")
 
 
+# The call markup a chat template renders, and the engines' parser that reads it back (SGLang's and
+# vLLM's names where they agree; first match wins, so Qwen3.5/3.6's <function=...> inside
+# <tool_call> is read as qwen3_coder, not as Qwen3's JSON calls).
+PARSER_FOR_MARKUP = (("<function=", "qwen3_coder"), ("<tool_call>", "qwen25"), ("[TOOL_CALLS]", "mistral"),
+                     ("<|python_tag|>", "llama3"), ("<｜tool▁calls▁begin｜>", "deepseekv3"),
+                     ("<|tool_calls_section_begin|>", "kimi_k2"))
+
+
+def parser_for_template(template: str, known: frozenset[str]) -> str | None:
+    """The tool-call parser for the call format a chat template renders, when the engine has it."""
+    return next((parser for markup, parser in PARSER_FOR_MARKUP if markup in template and parser in known), None)
+
+
 def _loaded(raw: Any, what: str) -> Any:
     if isinstance(raw, str):
         try:

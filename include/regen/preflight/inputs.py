@@ -94,9 +94,26 @@ def check_prompts(cfg: RunConfig, report: PreflightReport, max_listed: int = 20)
         report.problems.append(
             f"prompts {path}: {agentic:,} agentic conversations (tools, tool calls) and no tool_call_parser: "
             f"the engine would answer every call as text, so no recorded result could be spliced in; set "
-            f"tool_call_parser to the model's (e.g. qwen25 for Qwen3)")
+            f"tool_call_parser to the one that reads the model's calls ({suggested_tool_parser(cfg)})")
     if count == 0 and not bad:
         report.problems.append(f"prompts {path}: no prompts in the file")
+
+
+def suggested_tool_parser(cfg: RunConfig) -> str:
+    """From the call format the model's chat template renders and the engine's parser names."""
+    from regen.engines import engine
+    from regen.toolcalls import parser_for_template
+
+    model, text = Path(cfg.model_path), ""
+    for name in ("chat_template.jinja", "tokenizer_config.json"):
+        try:
+            with open(model / name, "rb") as fh:  # a template is kilobytes: a bounded read
+                text += fh.read(4 << 20).decode("utf-8", "replace")
+        except OSError:
+            continue
+    parser = parser_for_template(text, engine(cfg.engine).tool_call_parsers)
+    return (f"{parser}: its chat template writes calls in that format" if parser else
+            "its chat template renders no call format regen knows: name the engine's parser for it")
 
 
 def check_model(cfg: RunConfig, report: PreflightReport) -> None:
