@@ -164,7 +164,10 @@ def test_two_nodes_split_the_work_by_capacity(cluster, make_config, tmp_path):
     assert on_a + (df["server"] == urls["b"]).sum() == 280
     assert on_a > 280 * 0.55, on_a  # the faster node did more (ideal: two thirds)
     balance = node_balance(json.loads((Path(cfg.output) / "progress.json").read_text())["shards"])
-    assert balance["makespan_s"] <= 1.15 * balance["ideal_s"], balance
+    # Each node was busy about as long as the ideal split (all tokens over both nodes' rates)
+    # takes: neither took more than its share. The makespan adds the cluster's gaps between tasks,
+    # which a loaded machine (the suite's other workers) stretches; it is not the split's doing.
+    assert max(n["busy_s"] for n in balance["nodes"].values()) <= 1.15 * balance["ideal_s"], balance
     # One run page: both nodes, their servers (stopped by now) and their shards.
     view = {n["node"]: n for n in status(cfg).nodes}
     assert view["a"]["shards_done"] + view["b"]["shards_done"] == 24

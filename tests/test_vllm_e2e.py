@@ -106,9 +106,10 @@ def test_vllm_end_to_end_thinking_on_passes_and_off_fails(airflow_db, vllm_confi
     # Thinking off: about a quarter of this model's answers are then degenerate. The canary stops
     # the run when its 8 samples make the audit's 1% implausible (with this seed they hold one);
     # else the audit fails it. Either way no dataset is announced and no server is left.
-    # (The events layout would leave every row out: preflight refuses it with thinking off.)
+    # (Trained as thinking data it is refused at preflight, which names the answer-only template
+    # and layout used here: test_preflight.py.)
     off = vllm_config(enable_thinking=False, max_degenerate_fraction=0.01, train_layout="conversation",
-                      output=str(Path(cfg.output).parent / "off"))
+                      train_template="qwen3-instruct", output=str(Path(cfg.output).parent / "off"))
     run = dag.test(run_conf=_conf(off))
     states = _states(run)
     assert run.state == "failed"
