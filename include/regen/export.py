@@ -30,6 +30,7 @@ from regen.rows import asked_thinking, iter_batches, row_messages, row_tools
 from regen.training import (TrainLayout, conversation_record, event_records, history_kept, served, training_conversation,
                             training_samples, why_left_out)
 
+
 class RecipeConflict(ValueError):
     """A flag that contradicts what the output's audit judged the data with."""
 
