@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from support.paths import ROOT
-from support.workers import PORTS, port_range
+from support.workers import PORTS, port_range, worker_count, worker_name
 
 # One worker's allocations, as its conftest makes them: its scratch and Airflow home, then port
 # bases through regen's own picker, each range held bound so the worker's next pick is another.
@@ -33,15 +33,17 @@ def test_two_workers_never_share_a_port_a_home_or_a_scratch_folder():
     """Two workers' allocations run at once, as xdist runs them: each stays in its own port slice,
     and their ports, Airflow homes and scratch folders are disjoint (a shared port would fail a
     server at bind; a shared SQLite home would lock `dag.test()`)."""
+    # The two split this worker's own slice: the suite's other workers bind in theirs meanwhile.
+    own = port_range(worker_name(), worker_count())
     env = {k: v for k, v in os.environ.items() if k not in ("REGEN_PORT_RANGE", "AIRFLOW_HOME")}
     procs = [subprocess.Popen([sys.executable, "-c", ALLOCATE], cwd=ROOT / "tests", stdout=subprocess.PIPE,
                               env={**env, "PYTEST_XDIST_WORKER": name, "PYTEST_XDIST_WORKER_COUNT": "2",
-                                   "PYTHONPATH": str(ROOT / "tests")})
+                                   "REGEN_SUITE_PORTS": "%d-%d" % own, "PYTHONPATH": str(ROOT / "tests")})
              for name in ("gw0", "gw1")]
     seen = [json.loads(proc.communicate(timeout=120)[0]) for proc in procs]
     assert all(proc.returncode == 0 for proc in procs)
     for name, got in zip(("gw0", "gw1"), seen):
-        low, high = port_range(name, 2)
+        low, high = port_range(name, 2, own)
         assert got["range"] == f"{low}-{high}"
         assert all(low <= port <= high for port in got["ports"]) and len(set(got["ports"])) == 120
     assert not set(seen[0]["ports"]) & set(seen[1]["ports"])

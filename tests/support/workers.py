@@ -8,7 +8,9 @@ import os
 from pathlib import Path
 
 # The ports regen may pick for listeners (regen.servers.probe): below the kernel's ephemeral range.
-PORTS = (20000, 32760)
+# REGEN_SUITE_PORTS narrows it: the collision test divides its own worker's slice, which no other
+# worker of the running suite binds in.
+PORTS = tuple(int(part) for part in os.environ.get("REGEN_SUITE_PORTS", "20000-32760").split("-"))
 
 
 def worker_name() -> str:
@@ -20,10 +22,10 @@ def worker_count() -> int:
     return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 
 
-def port_range(name: str, count: int) -> tuple[int, int]:
-    """Worker ``name``'s slice of PORTS (all of it for ``main``); disjoint from every other
+def port_range(name: str, count: int, ports: tuple[int, int] = PORTS) -> tuple[int, int]:
+    """Worker ``name``'s slice of ``ports`` (all of it for ``main``); disjoint from every other
     worker's of the same run."""
-    low, high = PORTS
+    low, high = ports
     if name == "main":
         return low, high
     index, width = int(name.removeprefix("gw")), (high - low) // max(count, 1)
