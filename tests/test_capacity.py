@@ -32,11 +32,13 @@ CASES = [  # (GPU, launch flags): the defaults with MTP, and each flag the plan 
 def test_the_plan_is_sglangs_own_sizing_on_h200_and_b200(tmp_path):
     shape = capacity.ModelShape.of(QWEN36)
     points = [capacity.plan(shape, capacity.gpu_memory_mib(gpu), flags) for gpu, flags in CASES]
+    # The flags as SGLang resolves them: a speculative server's default request cap.
+    resolved = [replace(flags, max_running_requests=flags.max_running_requests or (
+        capacity.SPECULATIVE_DEFAULT_CAP if flags.speculative_num_draft_tokens else None)) for _, flags in CASES]
     cases = []
-    for (gpu, flags), point in zip(CASES, points):
-        given = replace(flags, max_running_requests=flags.max_running_requests or (
-            capacity.SPECULATIVE_DEFAULT_CAP if flags.speculative_num_draft_tokens else None))
-        cases.append({
+    for (gpu, flags), given, point in zip(CASES, resolved, points):
+        chunk, graph_bs = capacity.graph_sizes(point.gpu_mib, given)
+        cases.append({"prefill_chunk": chunk, "decode_graph_bs": graph_bs,
             "model_dir": str(QWEN36), "tp_size": flags.tp_size, "mamba_ssm_dtype": flags.mamba_ssm_dtype,
             "disable_radix_cache": flags.disable_radix_cache, "max_running_requests": given.max_running_requests,
             "max_mamba_cache_size": flags.max_mamba_cache_size or (
@@ -50,12 +52,15 @@ def test_the_plan_is_sglangs_own_sizing_on_h200_and_b200(tmp_path):
     out = subprocess.run([str(SGLANG_PYTHON), str(FIXTURES / "sglang_capacity.py"), str(tmp_path / "cases.json")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    for (gpu, flags), point, theirs in zip(CASES, points, json.loads(out.stdout.strip().splitlines()[-1])):
+    for (gpu, flags), given, point, theirs in zip(CASES, resolved, points,
+                                                  json.loads(out.stdout.strip().splitlines()[-1])):
         ours = {"state_bytes_per_request": round(point.state_mib_per_request * capacity.MIB),
                 "state_slots": point.state_slots, "kv_tokens": point.kv_tokens,
                 "max_running_requests": point.max_running_requests,
                 "state_slots_per_request": point.state_slots_per_request}
         assert ours == {k: theirs[k] for k in ours}, (gpu, flags)
+        assert capacity.graph_reserve_mib(*reversed(capacity.graph_sizes(point.gpu_mib, given))) \
+            == theirs["graph_reserve_mb"], (gpu, flags)
         assert point.static_fraction == pytest.approx(theirs["static_fraction"], abs=1e-9), (gpu, flags)
 
 

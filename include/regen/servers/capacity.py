@@ -190,12 +190,21 @@ def gpu_memory_mib(gpu: str) -> int:
     raise ValueError(f"unknown GPU {gpu!r}: name one of {', '.join(GPU_MEMORY_MIB)} or give its memory in MiB")
 
 
-def static_fraction(gpu_mib: int, shape: ModelShape, flags: LaunchFlags) -> float:
-    """SGLang's default ``--mem-fraction-static`` for this GPU: room for activations (1.5 MiB per
-    prefill chunk token), the decode CUDA graphs (2 MiB per batch slot) and a parallel slack, at
-    least 10 GiB on a GPU over 60 GiB; less again for a vision-language model's encoder."""
-    if flags.mem_fraction_static:
-        return flags.mem_fraction_static
+def prefill_graph_sizes(max_tokens: int) -> int:
+    """How many prefill CUDA graphs SGLang captures up to ``max_tokens`` (its capture buckets:
+    steps of 4 to 32, 16 to 256, 32 to 512, 64 to 1024, 256 to 4096, then 512)."""
+    steps = ((4, 32, 4), (48, 256, 16), (288, 512, 32), (576, 1024, 64), (1280, 4096, 256), (4608, max_tokens, 512))
+    return sum(len(range(low, min(high, max_tokens) + 1, step)) for low, high, step in steps)
+
+
+def graph_reserve_mib(decode_graph_bs: int, prefill_chunk: int) -> float:
+    """SGLang's reserve for CUDA graphs (``reserve_for_graph_mb``; CUDA captures prefill too by
+    default): 2 MiB per decode batch slot and 8 MiB per prefill graph, the chunk its largest."""
+    return decode_graph_bs * 2 + prefill_graph_sizes(prefill_chunk) * 8
+
+
+def graph_sizes(gpu_mib: int, flags: LaunchFlags) -> tuple[int, int]:
+    """SGLang's prefill chunk and decode CUDA-graph batch for this GPU, as the flags leave them."""
     if gpu_mib < 60 * 1024:
         chunk, graph_bs = 4096, 32 if flags.tp_size < 4 else 160
     elif gpu_mib < 160 * 1024:
@@ -205,7 +214,17 @@ def static_fraction(gpu_mib: int, shape: ModelShape, flags: LaunchFlags) -> floa
     chunk = flags.chunked_prefill_size or chunk
     if flags.max_running_requests and flags.max_running_requests < graph_bs:
         graph_bs = flags.max_running_requests
-    reserved = 512 + max(chunk, 2048) * 1.5 + flags.tp_size / 8 * 1024 + graph_bs * 2
+    return chunk, graph_bs
+
+
+def static_fraction(gpu_mib: int, shape: ModelShape, flags: LaunchFlags) -> float:
+    """SGLang's default ``--mem-fraction-static`` for this GPU: room for activations (1.5 MiB per
+    prefill chunk token), the CUDA graphs and a parallel slack, at least 10 GiB on a GPU over
+    60 GiB; less again for a vision-language model's encoder."""
+    if flags.mem_fraction_static:
+        return flags.mem_fraction_static
+    chunk, graph_bs = graph_sizes(gpu_mib, flags)
+    reserved = 512 + max(chunk, 2048) * 1.5 + flags.tp_size / 8 * 1024 + graph_reserve_mib(graph_bs, chunk)
     if gpu_mib > 60 * 1024:
         reserved = max(reserved, 10 * 1024)
     fraction = round((gpu_mib - reserved) / gpu_mib, 3)
