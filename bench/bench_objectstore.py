@@ -3,8 +3,8 @@
 
 regen seals the rows into parts of ``--part-rows`` (each a create-only PUT and a create-only
 commit, the claim checked before and after), settles a resume (lists the valid commits, reads
-each part's id and hash columns) and publishes the shard (reads the parts, one create-only PUT of
-the shard file and its commit, the parts deleted). The baseline is what a user writes without
+each part's id and hash columns) and publishes the shard (reads the parts' ids, then streams them
+into a file in the work folder; one PUT of it and its commit, the parts deleted). The baseline is what a user writes without
 exactly-once: `write_dataset` with files of the same row count, then a resume that scans the id
 and hash columns of every file it finds. Requests are counted from the server's own request log.
 
@@ -31,7 +31,8 @@ from pyarrow.fs import S3FileSystem
 
 from regen.layout import RunLayout
 from regen.objectstore import open_store
-from regen.parts import SETTLE_COLUMNS, BucketShardStore
+from regen.parts import BucketShardStore
+from regen.store import SETTLE_COLUMNS
 from regen.rows import ROW_SCHEMA
 from regen.servers.probe import port_is_free
 
@@ -79,7 +80,7 @@ def run_regen(server: Server, bucket: str, rows: list[dict], part_rows: int, wor
     settled, _, _ = BucketShardStore(shard.layout, 0, 1, store, part_rows, 1e9).settled_and_failed(hashes, "s")
     assert len(settled) == len(rows)
     marks.append((time.perf_counter(), server.requests()))
-    assert shard.parts.publish(hashes, "s") == len(rows)
+    assert shard.publish(hashes, "s") == len(rows)
     marks.append((time.perf_counter(), server.requests()))
     return _phases(marks, ("write", "settle", "publish"))
 

@@ -9,6 +9,7 @@ import json
 import random
 import shutil
 import subprocess
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -18,9 +19,10 @@ from regen import objectstore
 from regen.objectstore import LocalStore, bucket_mount, open_store, published_files
 from regen.preflight.node import check_store
 from regen.preflight.report import PreflightReport
-from regen.parts import ClaimLost, ShardParts
+from regen.layout import RunLayout
+from regen.parts import BucketShardStore, ClaimLost, ShardParts
 from support.airflow import _conf, _states, asset_events
-from support.data import read_ids, write_prompts
+from support.data import cli, read_ids, write_prompts
 from support.engines import sim_requests_total
 from support.paths import BIN, ROOT
 from support.processes import wait_until
@@ -31,6 +33,13 @@ def _rows(ids, settings="s", content="answer"):
     return [{"id": i, "messages": [{"role": "user", "content": f"q {i}"}], "content": content,
              "reasoning_content": "because", "finish_reason": "stop", "error": None,
              "prompt_hash": f"h-{i}", "settings_hash": settings} for i in ids]
+
+
+def publish(parts: ShardParts, ids: list[str], work: Path) -> int:
+    """Publish what ``parts`` committed as a generator does: through its shard's store."""
+    shard = BucketShardStore(RunLayout(work, dataset=parts.store.url), 0, 1, parts.store, 1000, 3600)
+    shard.parts = parts
+    return shard.publish({i: f"h-{i}" for i in ids}, "s")
 
 
 @pytest.fixture(params=["s3", "local"])
@@ -64,9 +73,8 @@ def test_create_is_create_only_and_a_retry_that_finds_its_own_bytes_succeeds(sto
     assert store.names("a") == ["b.json"]
 
 
-def test_a_zombie_attempt_cannot_commit_and_the_dataset_holds_each_id_once(store):
+def test_a_zombie_attempt_cannot_commit_and_the_dataset_holds_each_id_once(store, tmp_path):
     ids = [f"p{i:03d}" for i in range(30)]
-    hashes = {i: f"h-{i}" for i in ids}
     old = ShardParts(store, "shard-00000-of-00001")
     old.claim("attempt 1")
     old.seal(_rows(ids[:10], content="old"))
@@ -80,8 +88,8 @@ def test_a_zombie_attempt_cannot_commit_and_the_dataset_holds_each_id_once(store
     old.seal(_rows(ids[10:20], content="zombie"))
     assert len(new.valid_commits()) == 1
     new.seal(_rows(ids[10:], content="new"))
-    assert old.publish(hashes, "s") == 30  # even the zombie publishes only what the claim holder accepts
-    assert new.publish(hashes, "s") == 30
+    assert publish(old, ids, tmp_path) == 30  # even the zombie publishes only what the claim holder accepts
+    assert publish(new, ids, tmp_path) == 30
     fs, root = store.arrow()
     files = published_files(store)
     df = pd.read_parquet([f"{root}/{f}" for f in files], filesystem=fs)
@@ -91,7 +99,7 @@ def test_a_zombie_attempt_cannot_commit_and_the_dataset_holds_each_id_once(store
     assert store.names("_regen/parts/shard-00000-of-00001") == []  # published: the parts went
 
 
-def test_a_part_whose_writer_died_before_its_commit_is_never_read_and_goes_at_publish(store, monkeypatch):
+def test_a_part_whose_writer_died_before_its_commit_is_never_read_and_goes_at_publish(store, monkeypatch, tmp_path):
     """The kill between a part and its commit, made certain (the SIGKILL test below only may hit it)."""
     ids = [f"p{i:03d}" for i in range(12)]
     dead = ShardParts(store, "shard-00000-of-00001")
@@ -114,7 +122,7 @@ def test_a_part_whose_writer_died_before_its_commit_is_never_read_and_goes_at_pu
     retry.claim("attempt 2")
     assert sum(t.num_rows for t in retry.committed_tables()) == 6  # the orphan is not read
     retry.seal(_rows(ids[6:], content="redone"))
-    assert retry.publish({i: f"h-{i}" for i in ids}, "s") == 12
+    assert publish(retry, ids, tmp_path) == 12
     fs, root = store.arrow()
     df = pd.read_parquet([f"{root}/{f}" for f in published_files(store)], filesystem=fs)
     assert sorted(df["id"]) == ids and "orphan" not in set(df["content"])
@@ -149,7 +157,8 @@ def test_an_unreachable_bucket_is_one_preflight_line_naming_the_output(s3_server
 
 
 @pytest.mark.slow
-def test_slow_downs_and_lost_answers_are_retried_and_a_write_that_had_landed_counts_once(s3_server, monkeypatch):
+def test_slow_downs_and_lost_answers_are_retried_and_a_write_that_had_landed_counts_once(s3_server, monkeypatch,
+                                                                                       tmp_path):
     """Every fifth request answered 503 SlowDown before it reaches the server, and the first PUT of
     each part answered 503 after it landed: the retry's 412 is the writer's own bytes."""
     import s3fs
@@ -169,7 +178,7 @@ def test_slow_downs_and_lost_answers_are_retried_and_a_write_that_had_landed_cou
         parts.claim("attempt 1")
         for start in range(0, 12, 4):
             parts.seal(_rows(ids[start:start + 4]))
-        assert parts.publish({i: f"h-{i}" for i in ids}, "s") == 12
+        assert publish(parts, ids, tmp_path) == 12
     finally:
         proxy.close()
         s3fs.S3FileSystem.clear_instance_cache()
@@ -270,3 +279,85 @@ def test_a_dag_run_writes_its_dataset_to_a_bucket_and_announces_it_there(
     assert list((tmp_path / "work").glob("*/audit/report.html"))  # the report stays on the node
     card = s3_server.client().get_object(Bucket=bucket, Key="regen/demo/README.md")["Body"].read().decode()
     assert "**Audit: PASS.**" in card and "path: data/*.parquet" in card  # the card goes with the data
+
+
+def _dataset(location) -> pd.DataFrame:
+    return pd.read_parquet(location, columns=["id", "prompt_hash", "settings_hash", "error"]) \
+        .sort_values("id").reset_index(drop=True)
+
+
+@pytest.mark.slow
+def test_reruns_that_change_the_inputs_leave_the_bucket_what_they_leave_a_local_output(s3_server, sim_servers,
+                                                                                      tmp_path):
+    """Prompts added, one removed, one edited, the temperature changed: after each rerun the bucket's
+    dataset is row for row (id, prompt, settings) the local output's, and holds exactly the prompts
+    (a rerun once kept the bucket's old shard while reporting the new count). Nothing of the
+    protocol is left beside the data (about 40 s)."""
+    _, records = sim_servers(num_servers=1, sim_tokens_per_second=2000)
+    prompts, bucket = tmp_path / "prompts.jsonl", s3_server.new_bucket()
+    url, local = f"s3://{bucket}/ds", tmp_path / "local"
+
+    def run(*extra: str) -> pd.DataFrame:
+        for output in (url, str(local)):
+            out = subprocess.run(cli("--prompts", str(prompts), "--output", output, "--work-dir", str(tmp_path / "work"),
+                                     "--endpoints", records[0].url, "--api-key", records[0].api_key,
+                                     "--num-shards", "2", "--max-tokens", "256", "--part-rows", "10", *extra),
+                                 capture_output=True, text=True, timeout=300)
+            assert out.returncode == 0, out.stderr[-3000:]
+        theirs, ours = _dataset(f"{url}/data"), _dataset(local / "data")
+        pd.testing.assert_frame_equal(theirs, ours)
+        assert sorted(theirs["id"]) == sorted(read_ids(prompts)) and theirs["error"].isna().all()
+        return theirs.drop(columns="error").set_index("id")
+
+    write_prompts(prompts, 60)
+    before = run()
+    write_prompts(prompts, 66)
+    added = run()
+    assert (added.loc[before.index] == before).all().all()
+    write_prompts(prompts, 66, drop={3})
+    removed = run()
+    assert "p3" not in removed.index and len(removed) == 65
+    write_prompts(prompts, 66, drop={3}, edit={5})
+    edited = run()
+    assert edited.loc["p5", "prompt_hash"] != removed.loc["p5", "prompt_hash"]
+    assert (edited.drop("p5") == removed.drop("p5")).all().all()
+    changed = run("--temperature", "0.7")
+    assert not set(changed["settings_hash"]) & set(edited["settings_hash"])
+    assert [k for k in s3_server.keys(bucket, "ds/") if not k.startswith("ds/data/") and "/fences/" not in k] \
+        == [f"ds/_regen/published/shard-0000{i}-of-00002.json" for i in range(2)]
+    assert len([k for k in s3_server.keys(bucket, "ds/_regen/fences/")]) == 2  # the last claim of each shard
+
+
+def test_a_publish_killed_after_its_commit_leaves_nothing_once_the_output_runs_again(s3_server, sim_servers,
+                                                                                    tmp_path, monkeypatch):
+    """The kill between a shard's published commit and the removal of its parts, made certain: the
+    next run of the output (which skips that shard, complete) removes every leftover, and a reader
+    that globs the whole prefix sees each id once (it saw half of them twice)."""
+    import s3fs
+
+    from regen.cli import main
+
+    _, records = sim_servers(num_servers=1, sim_tokens_per_second=2000)
+    prompts, bucket = write_prompts(tmp_path / "prompts.jsonl", 40), s3_server.new_bucket()
+    args = cli("--prompts", str(prompts), "--output", f"s3://{bucket}/ds", "--work-dir", str(tmp_path / "work"),
+               "--endpoints", records[0].url, "--api-key", records[0].api_key, "--num-shards", "2",
+               "--max-tokens", "256", "--part-rows", "5")[2:]
+
+    def killed(self):
+        raise SystemExit("killed after the commit, before the parts' removal")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ShardParts, "gc", killed)
+        with pytest.raises(SystemExit, match="killed after the commit"):
+            main(args)
+    fs = s3fs.S3FileSystem()
+
+    def glob_ids() -> list[str]:
+        files = fs.glob(f"{bucket}/ds/**/*.parquet")
+        return list(pd.concat([pd.read_parquet(f"s3://{f}", columns=["id"]) for f in files])["id"])
+
+    assert s3_server.keys(bucket, "ds/_regen/parts/") and len(glob_ids()) > len(set(glob_ids()))
+    assert main(args) == 0
+    assert sorted(glob_ids()) == sorted(read_ids(prompts))
+    assert not s3_server.keys(bucket, "ds/_regen/parts/") and not s3_server.keys(bucket, "ds/_regen/commits/")
+    assert len(s3_server.keys(bucket, "ds/_regen/fences/")) == 2

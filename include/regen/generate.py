@@ -185,6 +185,7 @@ class ShardRun:
             self.shards[store.shard] = shard
             if store.complete(shard.prompts.ids, settled, file_ids):
                 shard.up_to_date = True
+                store.tidy()
                 log.info("%s is up to date: every prompt has a good row of this run's prompts, "
                          "model and settings (%s); nothing to send", store.name, store.location)
                 continue
@@ -443,6 +444,8 @@ def shards_to_run(cfg: RunConfig) -> list[int]:
         store, prompts = shard_store(cfg, shard), manifest.shard_prompts(shard)
         if not store.complete(prompts.ids, *store.settled(prompts.hashes, wanted)):
             left.append(shard)
+        else:
+            store.tidy()  # a shard no task runs: what a killed publish of it left goes here
     return left
 
 

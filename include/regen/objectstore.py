@@ -18,11 +18,12 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
 from regen.errors import DataError
-from regen.files import fsync_dir
+from regen.files import atomic_path, fsync_dir
 
 META = "_regen"  # the keys of the part protocol (regen.parts) beside data/
 _URL = re.compile(r"^(?P<scheme>[a-z][a-z0-9+.-]*)://(?P<rest>.*)$")
@@ -95,9 +96,14 @@ class ObjectStore:
             return self._same(key, data)
 
     def put(self, key: str, data: bytes) -> None:
-        """Write ``data`` at ``key`` whatever is there: for documents about the data (the dataset
-        card), never for the data itself."""
+        """Write ``data`` at ``key`` whatever is there (a PUT replaces an object whole): documents
+        about the data (the dataset card, a shard's published commit)."""
         self.fs.pipe_file(self.path(key), data)
+
+    def replace_file(self, key: str, path: Path) -> None:
+        """Upload the local file at ``path`` to ``key``, replacing what is there in one step (a
+        reader gets the old object or the new one); multipart for a large file."""
+        self.fs.put_file(str(path), self.path(key))
 
     def _same(self, key: str, data: bytes) -> bool:
         """A retry of a write that had landed finds its own bytes: that is a success."""
@@ -177,6 +183,18 @@ class LocalStore(ObjectStore):
 
     def read(self, key: str) -> bytes:
         return Path(self.path(key)).read_bytes()
+
+    def put(self, key: str, data: bytes) -> None:
+        final = Path(self.path(key))
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(final) as tmp:
+            tmp.write_bytes(data)
+
+    def replace_file(self, key: str, path: Path) -> None:
+        final = Path(self.path(key))
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(final) as tmp:
+            shutil.copyfile(path, tmp)
 
     def sizes(self, prefix: str) -> dict[str, int]:
         folder = Path(self.path(prefix))

@@ -26,9 +26,11 @@ import io
 import json
 import logging
 import os
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
+from pathlib import Path
+from typing import Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -38,11 +40,10 @@ from regen.layout import RunLayout
 from regen.machine import node_name
 from regen.objectstore import META, ObjectStore
 from regen.rows import ROW_SCHEMA
-from regen.store import Journal, ShardStore, of_this_run
+from regen.store import ShardStore
 
 log = logging.getLogger("regen.parts")
-
-SETTLE_COLUMNS = ["id", "error", "prompt_hash", "settings_hash"]
+READ_THREADS = 8  # parts read at once
 
 
 class ClaimLost(ShardFailed):
@@ -92,7 +93,7 @@ class ShardParts:
 
     # --- the claim ---------------------------------------------------------------------------
     def fences(self) -> list[int]:
-        return sorted(int(n[1:7]) for n in self.store.names(f"{META}/fences/{self.name}") if n.endswith(".json"))
+        return sorted(_fence_of(n) for n in self.store.names(f"{META}/fences/{self.name}") if n.endswith(".json"))
 
     def claim(self, holder: str) -> int:
         """Take the next fence; the commits valid now stay valid under it."""
@@ -114,6 +115,7 @@ class ShardParts:
                             f"({doc.get('holder')}); its rows are redone there, nothing of it is committed")
 
     def valid_commits(self, fences: list[int] | None = None) -> list[str]:
+        """The commits the highest fence accepts and its own, less those the published file holds."""
         fences = self.fences() if fences is None else fences
         if not fences:
             return []
@@ -121,12 +123,13 @@ class ShardParts:
         accepted = json.loads(self.store.read(self._fence_key(top)))["accepted"]
         own = [n[:-5] for n in self.store.names(f"{META}/commits/{self.name}")
                if n.endswith(".json") and n.startswith(f"f{top:06d}-")]
-        return accepted + own
+        published = (self.published() or {}).get("fence", 0)
+        return [n for n in accepted + own if _fence_of(n) > published]
 
     # --- parts -------------------------------------------------------------------------------
-    def committed_tables(self, columns: list[str] | None = None) -> list[pa.Table]:
-        """The rows of every valid commit, each part checked against its commit's size: the
-        commits read at once, the parts (``columns`` of them) by several threads."""
+    def committed_tables(self, columns: list[str] | None = None) -> Iterator[pa.Table]:
+        """The rows of every valid commit in commit order, each part checked against its commit's
+        size; read a few at once by threads, never all of them at once."""
         names = self.valid_commits()
         commits = [json.loads(raw) for raw in self.store.read_many([self._commit_key(n) for n in names])]
         sizes = self.store.sizes(f"{META}/parts/{self.name}")
@@ -139,12 +142,13 @@ class ShardParts:
         def read(name: str) -> pa.Table:
             return pq.read_table(f"{root}/{self._part_key(name)}", filesystem=fs, columns=columns)
 
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            return list(pool.map(read, names))
+        with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
+            for start in range(0, len(names), READ_THREADS):
+                yield from pool.map(read, names[start:start + READ_THREADS])
 
     def seal(self, rows: list[dict]) -> None:
         """Write ``rows`` as the attempt's next part and commit it, unless a later attempt claimed
-        the shard (ClaimLost: nothing is committed)."""
+        the shard (ClaimLost: nothing is committed, the part goes)."""
         if not rows:
             return
         self.seq += 1
@@ -152,7 +156,11 @@ class ShardParts:
         data = _parquet_bytes(rows)
         if not self.store.create(self._part_key(name), data):
             raise ClaimLost(f"{self.name}: part {name} exists already: another writer holds fence {self.fence}")
-        self.check_claim()
+        try:
+            self.check_claim()
+        except ClaimLost:
+            self.store.remove([self._part_key(name)])
+            raise
         commit = {"part": self._part_key(name), "rows": len(rows), "bytes": len(data), "sha256": _digest(data),
                   "ids_sha256": ids_digest(r["id"] for r in rows), "fence": self.fence, "seq": self.seq}
         self.store.create(self._commit_key(name), json.dumps(commit).encode())
@@ -164,49 +172,55 @@ class ShardParts:
         except FileNotFoundError:
             return None
 
-    def publish(self, hashes: dict[str, str], settings_hash: str) -> int:
-        """One file of the shard's committed rows under data/, then its commit; the parts go."""
-        done = self.published()
-        if done is not None:
-            return done["rows"]
-        table = _last_of_this_run(self.committed_tables(), hashes, settings_hash)
-        ids = table.column("id").to_pylist()
-        if set(ids) != set(hashes):
-            missing = sorted(set(hashes) - set(ids))
-            raise ShardFailed(f"{self.name}: the committed parts hold {len(ids):,} of its {len(hashes):,} "
-                              f"prompts (missing e.g. {missing[:3]}); nothing published")
-        data = _parquet_bytes(table)
-        if not self.store.create(self.data_key, data):
-            data = self.store.read(self.data_key)  # another attempt published first: check it
-            theirs = pq.read_table(io.BytesIO(data), columns=["id"]).column("id").to_pylist()
-            if sorted(theirs) != sorted(hashes):
-                raise ShardFailed(f"{self.store.url_of(self.data_key)}: holds {len(theirs):,} rows that are not "
-                                  f"exactly this shard's {len(hashes):,} ids; remove it to publish again")
-            ids = theirs
-        commit = {"file": self.data_key, "rows": len(ids), "bytes": len(data), "sha256": _digest(data),
-                  "ids_sha256": ids_digest(ids)}
-        self.store.create(self.published_key, json.dumps(commit).encode())
-        self._remove_parts()
-        return len(ids)
+    def install(self, path: Path, ids: Iterable[str], rows: int) -> None:
+        """The shard's file (written at ``path``) under data/, replacing the one there, then its
+        commit naming this attempt's fence: every part of this fence or before is in it. A reader
+        of data/ sees the old file or the new one, never both. The leftovers go (:meth:`gc`)."""
+        self.check_claim()
+        self.store.replace_file(self.data_key, path)
+        commit = {"file": self.data_key, "rows": rows, "bytes": path.stat().st_size,
+                  "sha256": _file_digest(path), "ids_sha256": ids_digest(ids), "fence": self.fence}
+        self.store.put(self.published_key, json.dumps(commit).encode())
+        self.gc()
 
-    def _remove_parts(self) -> None:
-        with contextlib.suppress(OSError):
-            names = self.store.names(f"{META}/commits/{self.name}")
-            self.store.remove([f"{META}/commits/{self.name}/{n}" for n in names])
-            names = self.store.names(f"{META}/parts/{self.name}")
-            self.store.remove([f"{META}/parts/{self.name}/{n}" for n in names])
+    def gc(self) -> None:
+        """Remove what no reader needs: the parts and commits the published file holds (its fence
+        or before), those of superseded attempts no fence accepts, and every fence record but the
+        highest (a claim reads only that one). Any process may run it: a live attempt's keys are
+        the highest fence's, or accepted by it."""
+        published = self.published()
+        fences = self.fences()
+        if published is None or not fences:
+            return
+        top, done = fences[-1], published.get("fence", 0)
+        valid = set(self.valid_commits(fences))
+
+        def stale(name: str, stem: str) -> bool:
+            return _fence_of(name) <= done or (_fence_of(name) < top and stem not in valid)
+
+        drop = [n for n in self.store.names(f"{META}/commits/{self.name}") if n.endswith(".json") and stale(n, n[:-5])]
+        parts = [n for n in self.store.names(f"{META}/parts/{self.name}") if n.endswith(".parquet")
+                 and stale(n, n[:-8])]
+        old = [self._fence_key(f) for f in fences[:-1]]
+        # Commits before their parts: a part without its commit is never read.
+        self.store.remove([f"{META}/commits/{self.name}/{n}" for n in drop])
+        self.store.remove([f"{META}/parts/{self.name}/{n}" for n in parts] + old)
+        if drop or parts or old:
+            log.info("%s: removed %d parts, %d commits and %d fence records a finished publish no longer needs",
+                     self.name, len(parts), len(drop), len(old))
 
 
-def _last_of_this_run(tables: list[pa.Table], hashes: dict[str, str], settings_hash: str) -> pa.Table:
-    """One row per id of this run (a later commit's row wins), in commit order."""
-    if not tables:
-        return ROW_SCHEMA.empty_table()
-    table = pa.concat_tables([t.select(ROW_SCHEMA.names).cast(ROW_SCHEMA) for t in tables])
-    keep: dict[str, int] = {}
-    for index, row in enumerate(table.select(SETTLE_COLUMNS).to_pylist()):
-        if of_this_run(row, hashes, settings_hash):
-            keep[row["id"]] = index
-    return table.take(sorted(keep.values()))
+def _fence_of(name: str) -> int:
+    """The fence of a fence record, a part or a commit by its name (``f000003…``)."""
+    return int(name[1:7])
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def shard_store(cfg, shard: int) -> ShardStore:
@@ -220,7 +234,9 @@ def shard_store(cfg, shard: int) -> ShardStore:
 
 class BucketShardStore(ShardStore):
     """A shard whose dataset is on an object store: the journal (and the lock of this node) stay in
-    the local work folder; settled rows are sealed into parts; the published file is the store's."""
+    the local work folder; settled rows are sealed into parts; the published file is the store's.
+    What the shard holds is decided as on a local disk (ShardStore): the published file, then the
+    sealed parts, then the journal."""
 
     def __init__(self, layout: RunLayout, shard: int, num_shards: int, store: ObjectStore,
                  part_rows: int, part_seconds: float):
@@ -238,42 +254,41 @@ class BucketShardStore(ShardStore):
             log.info("%s: claimed attempt %d on %s", self.name, fence, self.parts.store.url)
             yield
 
-    def settled_and_failed(self, hashes: dict[str, str], settings_hash: str) -> tuple[set[str], set[str], set[str]]:
-        settled: set[str] = set()
-        failed: set[str] = set()
-        published = self.parts.published()
-        if published is not None:
-            fs, root = self.parts.store.arrow()
-            tables = [pq.read_table(f"{root}/{published['file']}", filesystem=fs, columns=SETTLE_COLUMNS)]
-        else:
-            tables = self.parts.committed_tables(SETTLE_COLUMNS)
-        committed: set[str] = set()
-        for table in tables:
-            for row in table.to_pylist():
-                committed.add(row["id"])
-                if of_this_run(row, hashes, settings_hash):
-                    settled.add(row["id"])
-                    if row["error"] is not None:
-                        failed.add(row["id"])
-        file_ids = committed if published is not None else set()
-        self._unsealed.clear()
-        for row in Journal.rows(self.journal_path):
-            if not of_this_run(row, hashes, settings_hash) or row["id"] in committed:
-                continue
-            failed.discard(row["id"])
-            if row.get("error") is None or not row.get("retryable", False):
-                settled.add(row["id"])
-                self._unsealed[row["id"]] = row
-                if row.get("error") is not None:
-                    failed.add(row["id"])
-            else:
-                settled.discard(row["id"])
-                self._unsealed.pop(row["id"], None)
-        self._oldest = time.monotonic() if self._unsealed else None
-        return settled, file_ids, failed
+    def _file_rows(self, columns: list[str] | None = None) -> Iterator[dict]:
+        store = self.parts.store
+        if not store.exists(self.parts.data_key):
+            return
+        fs, root = store.arrow()
+        with fs.open_input_file(f"{root}/{self.parts.data_key}") as fh:
+            for batch in pq.ParquetFile(fh).iter_batches(batch_size=1000, columns=columns):
+                yield from batch.to_pylist()
 
-    def complete(self, ids: list[str], settled: set[str], file_ids: set[str]) -> bool:
-        return self.parts.published() is not None and file_ids == set(ids)
+    def _sealed_rows(self, columns: list[str] | None = None) -> Iterator[dict]:
+        for table in self.parts.committed_tables(columns):
+            yield from table.to_pylist()
+
+    def settled_and_failed(self, hashes: dict[str, str], settings_hash: str) -> tuple[set[str], set[str], set[str]]:
+        self._unsealed.clear()
+        found = super().settled_and_failed(hashes, settings_hash)
+        self._oldest = time.monotonic() if self._unsealed else None
+        return found
+
+    def _journalled(self, row: dict, settles: bool) -> None:
+        """Journal rows no part holds yet (a retry on the same node): sealed with the next part."""
+        if settles:
+            self._unsealed[row["id"]] = row
+        else:
+            self._unsealed.pop(row["id"], None)
+
+    def _waiting(self, file_ids: set[str]) -> bool:
+        """Rows not in the published file yet (a journal, sealed parts), or a file whose commit
+        does not name its ids (a publish killed between the two)."""
+        published = self.parts.published()
+        return (super()._waiting(file_ids) or published is None
+                or published.get("ids_sha256") != ids_digest(file_ids) or bool(self.parts.valid_commits()))
+
+    def tidy(self) -> None:
+        self.parts.gc()
 
     def appended(self, row: dict) -> None:
         """A row the journal now holds: sealed with the next part once it settles its id."""
@@ -286,13 +301,23 @@ class BucketShardStore(ShardStore):
             self.seal()
 
     def seal(self) -> None:
-        rows = list(self._unsealed.values())
+        rows = [{k: v for k, v in row.items() if k != "retryable"} for row in self._unsealed.values()]
         self.parts.seal(rows)
         self._unsealed.clear()
         self._oldest = None
 
     def publish(self, hashes: dict[str, str], settings_hash: str, batch_rows: int = 1000) -> int:
+        """Seal what the journal holds, then the shard's file as on a local disk (the last row of
+        this run per id), streamed to the work folder and uploaded over the published one."""
         self.seal()
-        count = self.parts.publish(hashes, settings_hash)
+        keep = self._chosen(hashes, settings_hash)
+        self.journal_path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.name}.", suffix=".parquet.tmp", dir=self.journal_path.parent)
+        os.close(fd)
+        try:
+            count = self._write(Path(tmp), keep, batch_rows)
+            self.parts.install(Path(tmp), hashes, count)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
         self.journal_path.unlink(missing_ok=True)
         return count

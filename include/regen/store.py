@@ -31,6 +31,7 @@ log = logging.getLogger("regen.store")
 STOPPING_ATTEMPT_GRACE_S = 60.0
 
 REPAIR_BLOCK = 1 << 16
+SETTLE_COLUMNS = ["id", "error", "prompt_hash", "settings_hash"]
 
 
 class Journal:
@@ -152,30 +153,52 @@ class ShardStore:
 
     def settled_and_failed(self, hashes: dict[str, str], settings_hash: str) -> tuple[set[str], set[str], set[str]]:
         """(ids that need no new request, ids the shard file holds now, ids of those whose last
-        journalled row failed in a way no retry fixes). A row settles its id when it is this run's
-        (the id's prompt hash, this settings hash) and good, or failed for good (a 4xx); rows of
-        other prompts or settings settle nothing. The failures are an earlier attempt's, which
-        count against the shard's error bound on a retry."""
+        row failed in a way no retry fixes). A row settles its id when it is this run's (the id's
+        prompt hash, this settings hash) and good, or failed for good (a 4xx); rows of other
+        prompts or settings settle nothing, so a rerun that changed them sends them again. The
+        published file's rows come first, then what attempts since sealed (a bucket's parts), then
+        the journal. The failures are an earlier attempt's, which count against the shard's error
+        bound on a retry. The one decision of what a shard holds, for a folder and a bucket."""
         settled: set[str] = set()
         file_ids: set[str] = set()
-        if self.final.exists():
-            table = pq.read_table(self.final, columns=["id", "error", "prompt_hash", "settings_hash"])
-            for row in table.to_pylist():
-                file_ids.add(row["id"])
-                if of_this_run(row, hashes, settings_hash) and row["error"] is None:
-                    settled.add(row["id"])
+        for row in self._file_rows(SETTLE_COLUMNS):
+            file_ids.add(row["id"])
+            if of_this_run(row, hashes, settings_hash) and row["error"] is None:
+                settled.add(row["id"])
         failed: set[str] = set()
+        sealed: set[str] = set()
+        for row in self._sealed_rows(SETTLE_COLUMNS):
+            sealed.add(row["id"])
+            if of_this_run(row, hashes, settings_hash):
+                settled.add(row["id"])
+                (failed.add if row["error"] is not None else failed.discard)(row["id"])
         for row in Journal.rows(self.journal_path):
-            if not of_this_run(row, hashes, settings_hash):
+            if not of_this_run(row, hashes, settings_hash) or row["id"] in sealed:
                 continue
             failed.discard(row["id"])
-            if row.get("error") is None or not row.get("retryable", False):
+            settles = row.get("error") is None or not row.get("retryable", False)
+            self._journalled(row, settles)
+            if settles:
                 settled.add(row["id"])
                 if row.get("error") is not None:
                     failed.add(row["id"])
             else:
                 settled.discard(row["id"])
         return settled, file_ids, failed
+
+    def _file_rows(self, columns: list[str] | None = None) -> Iterator[dict]:
+        """The published shard file's rows."""
+        if self.final.exists():
+            for batch in pq.ParquetFile(self.final).iter_batches(batch_size=1000, columns=columns):
+                yield from batch.to_pylist()
+
+    def _sealed_rows(self, columns: list[str] | None = None) -> Iterator[dict]:
+        """Rows attempts made durable since the file was published: none on a local disk (its
+        journal is durable)."""
+        return iter(())
+
+    def _journalled(self, row: dict, settles: bool) -> None:
+        """A journal row of this run that no sealed row holds: a local shard keeps it there."""
 
     def turns_done(self, hashes: dict[str, str], settings_hash: str) -> dict[str, list[dict]]:
         """Per conversation cut mid-way in an earlier attempt: the answers of its finished turns."""
@@ -186,34 +209,44 @@ class ShardStore:
         return {i: resumed_answers(r) for i, r in rows.items()}
 
     def complete(self, ids: list[str], settled: set[str], file_ids: set[str]) -> bool:
-        """The shard file holds exactly these ids, each settled, and nothing waits in a journal."""
-        return len(settled) == len(ids) and file_ids == set(ids) and not self.journal_path.exists()
+        """The shard file holds exactly these ids, each settled, and nothing waits to be published."""
+        return len(settled) == len(ids) and file_ids == set(ids) and not self._waiting(file_ids)
+
+    def _waiting(self, file_ids: set[str]) -> bool:
+        """Rows not in the shard file yet: a journal."""
+        return self.journal_path.exists()
+
+    def tidy(self) -> None:
+        """What a killed publish of a complete shard left behind: nothing on a local disk (its
+        temporaries go under the lock)."""
 
     def appended(self, row: dict) -> None:
         """A row the journal now holds: a local shard publishes it from there when it completes."""
 
-    def _rows(self) -> Iterator[dict]:
-        """The shard's existing rows, then the journal's: later rows win."""
-        if self.final.exists():
-            for batch in pq.ParquetFile(self.final).iter_batches(batch_size=1000):
-                yield from batch.to_pylist()
+    def _rows(self, columns: list[str] | None = None) -> Iterator[dict]:
+        """The shard's existing rows, then what attempts sealed, then the journal's: later rows win
+        (``columns`` narrows the stored ones, never their order)."""
+        yield from self._file_rows(columns)
+        yield from self._sealed_rows(columns)
         yield from Journal.rows(self.journal_path)
 
-    def publish(self, hashes: dict[str, str], settings_hash: str, batch_rows: int = 1000) -> int:
-        """The last row of this run for each of the shard's ids (``hashes``: id -> prompt hash),
-        streamed in batches into a file beside the journal, then renamed over the shard's file;
-        the journal goes. Refused unless the file would hold exactly the shard's ids."""
+    def _chosen(self, hashes: dict[str, str], settings_hash: str) -> set[int]:
+        """The index in :meth:`_rows` of each id's last row of this run; refused unless every one of
+        the shard's ids (``hashes``: id -> prompt hash) has one."""
         last: dict[str, int] = {}
-        for index, row in enumerate(self._rows()):
-            if hashes.get(row["id"]) == row.get("prompt_hash") and row.get("settings_hash") == settings_hash:
+        for index, row in enumerate(self._rows(SETTLE_COLUMNS)):
+            if of_this_run(row, hashes, settings_hash):
                 last[row["id"]] = index
         if len(last) != len(hashes):
             missing = sorted(set(hashes) - set(last))
             raise ShardFailed(f"{self.name}: has rows for {len(last):,} of its {len(hashes):,} prompts "
                               f"(missing e.g. {missing[:3]}); nothing published, the journal is kept")
-        keep = set(last.values())
+        return set(last.values())
+
+    def _write(self, path: Path, keep: set[int], batch_rows: int) -> int:
+        """The rows of :meth:`_rows` at ``keep`` streamed in batches into a Parquet file at ``path``."""
         count = 0
-        with atomic_path(self.final, work_dir=self.journal_path.parent) as tmp, pq.ParquetWriter(tmp, ROW_SCHEMA, compression="zstd") as writer:
+        with pq.ParquetWriter(path, ROW_SCHEMA, compression="zstd") as writer:
             batch: list[dict] = []
             for index, row in enumerate(self._rows()):
                 if index not in keep:
@@ -227,5 +260,13 @@ class ShardStore:
             if batch:
                 writer.write_table(pa.Table.from_pylist(batch, schema=ROW_SCHEMA))
                 count += len(batch)
+        return count
+
+    def publish(self, hashes: dict[str, str], settings_hash: str, batch_rows: int = 1000) -> int:
+        """The last row of this run for each of the shard's ids, streamed into a file beside the
+        journal, then renamed over the shard's file; the journal goes."""
+        keep = self._chosen(hashes, settings_hash)
+        with atomic_path(self.final, work_dir=self.journal_path.parent) as tmp:
+            count = self._write(tmp, keep, batch_rows)
         self.journal_path.unlink(missing_ok=True)
         return count
