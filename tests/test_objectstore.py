@@ -6,9 +6,11 @@ local folder (LocalStore)."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -190,7 +192,7 @@ def test_slow_downs_and_lost_answers_are_retried_and_a_write_that_had_landed_cou
 
 @pytest.mark.slow
 def test_sigkills_of_a_shard_writing_to_a_bucket_lose_and_duplicate_nothing(s3_server, sim_servers, tmp_path):
-    """24 SIGKILLs at random points (every fourth also loses the node's work folder), then a run
+    """12 SIGKILLs at random points (every fourth also loses the node's work folder), then a run
     to the end: every id exactly once in `pandas.read_parquet("s3://…/data")`, and each kill cost at
     most what was in flight plus, for a lost node, one part."""
     cfg, records = sim_servers(num_servers=1, sim_tokens_per_second=600)
@@ -203,7 +205,7 @@ def test_sigkills_of_a_shard_writing_to_a_bucket_lose_and_duplicate_nothing(s3_s
     rng = random.Random(7)
     kills = lost_nodes = orphans = 0
     prefix = "regen/ds/_regen"
-    while kills < 24:
+    while kills < 12:
         before = len(s3_server.keys(bucket, prefix))
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         target = before + rng.randint(1, 4)  # a part or a commit (or the claim) lands, then the kill
@@ -221,7 +223,7 @@ def test_sigkills_of_a_shard_writing_to_a_bucket_lose_and_duplicate_nothing(s3_s
         if kills % 4 == 0:
             shutil.rmtree(work, ignore_errors=True)  # the node is lost with its journal
             lost_nodes += 1
-    assert kills >= 20, f"the run finished after only {kills} kills: too few to test"
+    assert kills >= 10, f"the run finished after only {kills} kills: too few to test"
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
     df = pd.read_parquet(f"{url}/data")
     assert sorted(df["id"]) == sorted(read_ids(prompts)) and df["id"].is_unique
@@ -361,3 +363,55 @@ def test_a_publish_killed_after_its_commit_leaves_nothing_once_the_output_runs_a
     assert sorted(glob_ids()) == sorted(read_ids(prompts))
     assert not s3_server.keys(bucket, "ds/_regen/parts/") and not s3_server.keys(bucket, "ds/_regen/commits/")
     assert len(s3_server.keys(bucket, "ds/_regen/fences/")) == 2
+
+
+@pytest.mark.slow
+def test_a_stalled_bucket_holds_up_neither_requests_nor_progress_and_an_outage_ends_in_one_line(
+        s3_server, sim_servers, tmp_path):
+    """The bucket unreachable for 30 s from the first part's commit: the requests and the progress
+    lines go on (parts are sealed off the event loop; it froze for the whole outage), the run ends
+    complete. Unreachable for good: one line naming the URL once store_outage_s (40 s here) has
+    passed (it was a 148-line botocore traceback), and the next run finishes exact (about 2 min)."""
+    _, records = sim_servers(num_servers=1, sim_tokens_per_second=50)
+    prompts, bucket = write_prompts(tmp_path / "prompts.jsonl", 120), s3_server.new_bucket()
+    down: dict[str, float] = {}
+
+    def fault(method, path, n):
+        if not down and method == "PUT" and "/commits/" in path:
+            down.update(wall=time.time(), until=time.monotonic() + 30)
+        return "drop" if down and time.monotonic() < down["until"] else None
+
+    proxy = FaultyProxy(s3_server.endpoint, fault)
+    args = cli("--prompts", str(prompts), "--output", f"s3://{bucket}/ds", "--work-dir", str(tmp_path / "work"),
+               "--endpoints", records[0].url, "--api-key", records[0].api_key, "--num-shards", "1",
+               "--max-tokens", "256", "--concurrency-per-server", "8", "--part-rows", "5", "--store-outage-s", "40")
+    try:
+        out = subprocess.run(args, env=dict(os.environ, AWS_ENDPOINT_URL=proxy.endpoint), capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        progress = [(_seconds(line), int(line.split(": ")[-1].split("/")[0].replace(",", "")))
+                    for line in out.stderr.splitlines() if " done, " in line and "tok/s" in line]
+        start = _seconds(time.strftime("%H:%M:%S ", time.localtime(down["wall"])))
+        during = [done for at, done in progress if start + 1 < at < start + 29]
+        assert len(during) >= 4 and during[-1] > during[0], (during, out.stderr[-3000:])
+        assert sorted(pd.read_parquet(f"s3://{bucket}/ds/data")["id"]) == sorted(read_ids(prompts))
+
+        down["until"] = float("inf")
+        write_prompts(prompts, 130)
+        out = subprocess.run(args, env=dict(os.environ, AWS_ENDPOINT_URL=proxy.endpoint), capture_output=True,
+                             text=True, timeout=600)
+    finally:
+        proxy.close()
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: shard-00000-of-00001: cannot ") and f"s3://{bucket}/ds" in last, last
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    df = pd.read_parquet(f"s3://{bucket}/ds/data")
+    assert sorted(df["id"]) == sorted(read_ids(prompts)) and df["id"].is_unique
+
+
+def _seconds(line: str) -> int:
+    """A log line's time of day (HH:MM:SS at its start), in seconds."""
+    hours, minutes, seconds = (int(part) for part in line[:8].split(":"))
+    return hours * 3600 + minutes * 60 + seconds

@@ -14,6 +14,7 @@ GCP's application default): never from a Param, a log line or a row.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -214,9 +215,28 @@ def _filesystem(scheme: str):
     import fsspec
 
     if scheme == "s3":
-        # botocore's standard retry mode backs off on 5xx, 429 and SlowDown; s3fs retries too.
-        return fsspec.filesystem("s3", config_kwargs={"retries": {"mode": "standard", "max_attempts": 8}})
+        # botocore's standard retry mode backs off on 5xx, 429 and SlowDown, a few seconds in all;
+        # a longer outage is regen's to wait out (store_outage_s), not s3fs's retries of botocore's.
+        fs = fsspec.filesystem("s3", config_kwargs={"retries": {"mode": "standard", "max_attempts": 5}})
+        fs.retries = 1
+        return fs
     return fsspec.filesystem("gcs")
+
+
+def transient_errors() -> tuple[type[BaseException], ...]:
+    """What a store's client raises when the store is unreachable or refuses for now (an OSError
+    but a missing key or a refused permission, which its caller tells apart): worth trying again.
+    A bug is not."""
+    found: list[type[BaseException]] = [OSError]
+    with contextlib.suppress(ImportError):
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        found += [BotoCoreError, ClientError]
+    with contextlib.suppress(ImportError):
+        from aiohttp import ClientError as HttpClientError
+
+        found.append(HttpClientError)
+    return tuple(found)
 
 
 def _airflow_filesystem(url: str, conn_id: str):

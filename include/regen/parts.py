@@ -28,9 +28,10 @@ import logging
 import os
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -38,12 +39,13 @@ import pyarrow.parquet as pq
 from regen.errors import ShardFailed
 from regen.layout import RunLayout
 from regen.machine import node_name
-from regen.objectstore import META, ObjectStore
+from regen.objectstore import META, ObjectStore, transient_errors
 from regen.rows import ROW_SCHEMA
 from regen.store import ShardStore
 
 log = logging.getLogger("regen.parts")
 READ_THREADS = 8  # parts read at once
+T = TypeVar("T")
 
 
 class ClaimLost(ShardFailed):
@@ -151,8 +153,8 @@ class ShardParts:
         the shard (ClaimLost: nothing is committed, the part goes)."""
         if not rows:
             return
-        self.seq += 1
-        name = f"f{self.fence:06d}-p{self.seq:06d}"
+        seq = self.seq + 1  # taken once it is committed: a retry writes the same name, its own bytes
+        name = f"f{self.fence:06d}-p{seq:06d}"
         data = _parquet_bytes(rows)
         if not self.store.create(self._part_key(name), data):
             raise ClaimLost(f"{self.name}: part {name} exists already: another writer holds fence {self.fence}")
@@ -162,8 +164,9 @@ class ShardParts:
             self.store.remove([self._part_key(name)])
             raise
         commit = {"part": self._part_key(name), "rows": len(rows), "bytes": len(data), "sha256": _digest(data),
-                  "ids_sha256": ids_digest(r["id"] for r in rows), "fence": self.fence, "seq": self.seq}
+                  "ids_sha256": ids_digest(r["id"] for r in rows), "fence": self.fence, "seq": seq}
         self.store.create(self._commit_key(name), json.dumps(commit).encode())
+        self.seq = seq
 
     # --- the published shard -----------------------------------------------------------------
     def published(self) -> dict | None:
@@ -229,30 +232,57 @@ def shard_store(cfg, shard: int) -> ShardStore:
     if layout.dataset is None:
         return ShardStore(layout, shard, cfg.num_shards)
     return BucketShardStore(layout, shard, cfg.num_shards, layout.store(), cfg.generation.part_rows,
-                            cfg.generation.part_seconds)
+                            cfg.generation.part_seconds, cfg.generation.store_outage_s)
 
 
 class BucketShardStore(ShardStore):
     """A shard whose dataset is on an object store: the journal (and the lock of this node) stay in
     the local work folder; settled rows are sealed into parts; the published file is the store's.
     What the shard holds is decided as on a local disk (ShardStore): the published file, then the
-    sealed parts, then the journal."""
+    sealed parts, then the journal. Parts are sealed by a thread of their own, in order: a stalled
+    store holds up neither the requests nor the progress lines (the journal holds every row)."""
 
     def __init__(self, layout: RunLayout, shard: int, num_shards: int, store: ObjectStore,
-                 part_rows: int, part_seconds: float):
+                 part_rows: int, part_seconds: float, outage_s: float = 300.0):
         super().__init__(layout, shard, num_shards)
         self.parts = ShardParts(store, self.name)
         self.location = store.url_of(self.parts.data_key)
-        self.part_rows, self.part_seconds = part_rows, part_seconds
+        self.part_rows, self.part_seconds, self.outage_s = part_rows, part_seconds, outage_s
         self._unsealed: dict[str, dict] = {}
         self._oldest: float | None = None
+        self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"seal-{self.name}")
+        self._sealing: list[Future] = []
+
+    def _store_io(self, what: str, operation: Callable[[], T]) -> T:
+        """``operation`` (idempotent: a create-only write that finds its own bytes succeeds) tried
+        again for ``outage_s`` while the store fails; then one line naming the URL and the cause,
+        not the client's traceback."""
+        ends, pause = time.monotonic() + self.outage_s, 1.0
+        while True:
+            try:
+                return operation()
+            except transient_errors() as exc:
+                if isinstance(exc, (FileNotFoundError, PermissionError)):
+                    raise ShardFailed(f"{self.name}: cannot {what} {self.parts.store.url}: {exc}") from exc
+                cause = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+                if time.monotonic() + pause > ends:
+                    raise ShardFailed(f"{self.name}: cannot {what} {self.parts.store.url} for {self.outage_s:.0f} s "
+                                      f"(store_outage_s): {cause}; every row made is in the journal on this node, "
+                                      f"a retry resumes from it") from exc
+                log.warning("%s: cannot %s %s (%s); trying again in %.0f s", self.name, what,
+                            self.parts.store.url, cause, pause)
+                time.sleep(pause)  # the store is down: waiting is the point
+                pause = min(pause * 2, 15.0)
 
     @contextlib.contextmanager
     def lock(self):
         with super().lock():
-            fence = self.parts.claim(f"pid {os.getpid()} on {node_name()}")
+            fence = self._store_io("claim the shard on", lambda: self.parts.claim(f"pid {os.getpid()} on {node_name()}"))
             log.info("%s: claimed attempt %d on %s", self.name, fence, self.parts.store.url)
-            yield
+            try:
+                yield
+            finally:
+                wait_for(self._sealing)  # no seal of this attempt outlives its lock
 
     def _file_rows(self, columns: list[str] | None = None) -> Iterator[dict]:
         store = self.parts.store
@@ -268,8 +298,11 @@ class BucketShardStore(ShardStore):
             yield from table.to_pylist()
 
     def settled_and_failed(self, hashes: dict[str, str], settings_hash: str) -> tuple[set[str], set[str], set[str]]:
-        self._unsealed.clear()
-        found = super().settled_and_failed(hashes, settings_hash)
+        def settle():
+            self._unsealed.clear()
+            return super(BucketShardStore, self).settled_and_failed(hashes, settings_hash)
+
+        found = self._store_io("read the shard from", settle)
         self._oldest = time.monotonic() if self._unsealed else None
         return found
 
@@ -283,40 +316,64 @@ class BucketShardStore(ShardStore):
     def _waiting(self, file_ids: set[str]) -> bool:
         """Rows not in the published file yet (a journal, sealed parts), or a file whose commit
         does not name its ids (a publish killed between the two)."""
-        published = self.parts.published()
-        return (super()._waiting(file_ids) or published is None
-                or published.get("ids_sha256") != ids_digest(file_ids) or bool(self.parts.valid_commits()))
+        def waiting() -> bool:
+            published = self.parts.published()
+            return (published is None or published.get("ids_sha256") != ids_digest(file_ids)
+                    or bool(self.parts.valid_commits()))
+
+        return super()._waiting(file_ids) or self._store_io("read the shard from", waiting)
 
     def tidy(self) -> None:
-        self.parts.gc()
+        self._store_io("tidy the shard on", self.parts.gc)
 
     def appended(self, row: dict) -> None:
         """A row the journal now holds: sealed with the next part once it settles its id."""
+        self._check_sealing()
         if row.get("partial") or (row.get("error") is not None and row.get("retryable", False)):
             return
-        self._unsealed[row["id"]] = {k: v for k, v in row.items() if k != "retryable"}
+        self._unsealed[row["id"]] = row
         if self._oldest is None:
             self._oldest = time.monotonic()
         if len(self._unsealed) >= self.part_rows or time.monotonic() - self._oldest >= self.part_seconds:
-            self.seal()
+            rows = self._take()
+            self._sealing.append(self._sealer.submit(self._seal, rows))
 
-    def seal(self) -> None:
+    def _take(self) -> list[dict]:
         rows = [{k: v for k, v in row.items() if k != "retryable"} for row in self._unsealed.values()]
-        self.parts.seal(rows)
         self._unsealed.clear()
         self._oldest = None
+        return rows
+
+    def _seal(self, rows: list[dict]) -> None:
+        self._store_io("seal a part on", lambda: self.parts.seal(rows))
+
+    def _check_sealing(self, wait: bool = False) -> None:
+        """A seal that failed fails the shard (its rows stay in the journal); ``wait``: all of them."""
+        if wait:
+            wait_for(self._sealing)
+        for future in [f for f in self._sealing if f.done()]:
+            self._sealing.remove(future)
+            future.result()
+
+    def seal(self) -> None:
+        """Seal what is unsealed now, after the parts being sealed."""
+        self._check_sealing(wait=True)
+        self._seal(self._take())
 
     def publish(self, hashes: dict[str, str], settings_hash: str, batch_rows: int = 1000) -> int:
         """Seal what the journal holds, then the shard's file as on a local disk (the last row of
         this run per id), streamed to the work folder and uploaded over the published one."""
         self.seal()
-        keep = self._chosen(hashes, settings_hash)
         self.journal_path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{self.name}.", suffix=".parquet.tmp", dir=self.journal_path.parent)
         os.close(fd)
         try:
-            count = self._write(Path(tmp), keep, batch_rows)
-            self.parts.install(Path(tmp), hashes, count)
+            def publish() -> int:
+                count = self._write(Path(tmp), self._chosen(hashes, settings_hash), batch_rows)
+                self.parts.install(Path(tmp), hashes, count)
+                return count
+
+            count = self._store_io("publish the shard to", publish)
         finally:
             Path(tmp).unlink(missing_ok=True)
         self.journal_path.unlink(missing_ok=True)

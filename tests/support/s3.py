@@ -69,7 +69,8 @@ SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code
 class FaultyProxy:
     """A loopback proxy in front of the S3 server that answers 503 SlowDown where ``fault(method,
     path, n)`` says: "before" (the request never reaches the server) or "after" (it lands and its
-    answer is lost: what a retried create-only write must survive). ``n`` counts requests."""
+    answer is lost: what a retried create-only write must survive); "drop" closes the connection
+    unanswered (the store unreachable). ``n`` counts requests."""
 
     def __init__(self, upstream: str, fault):
         import http.client
@@ -94,6 +95,9 @@ class FaultyProxy:
                     n = len(proxy.seen)
                     when = fault(self.command, self.path, n)
                     proxy.seen.append((self.command, self.path, when))
+                if when == "drop":
+                    self.close_connection = True
+                    return
                 if when != "before":
                     conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
                     conn.request(self.command, self.path, body, {k: v for k, v in self.headers.items()

@@ -298,6 +298,11 @@ class GenerationOptions(Options):
     part_seconds: float = Field(
         600.0, gt=0, title="Seconds per part (object store)",
         description="On an object-store output, a part is sealed at least this often.")
+    store_outage_s: float = Field(
+        300.0, gt=0, title="Store outage tolerated (object store)",
+        description="On an object-store output, a write or read that fails is tried again for this long "
+        "(requests go on meanwhile, the journal holds every row) before the shard fails with one line "
+        "naming the URL.")
 
 
 class CanaryOptions(Options):
