@@ -334,12 +334,13 @@ def test_a_publish_killed_after_its_commit_leaves_nothing_once_the_output_runs_a
                                                                                     tmp_path, monkeypatch):
     """The kill between a shard's published commit and the removal of its parts, made certain: the
     next run of the output (which skips that shard, complete) removes every leftover, and a reader
-    that globs the whole prefix sees each id once (it saw half of them twice)."""
+    that globs the whole prefix sees each id once (it saw half of them twice). The audit of the
+    bucket with the run's --work-dir reports there, beside the run's manifest (it dropped it)."""
     import s3fs
 
     from regen.cli import main
 
-    _, records = sim_servers(num_servers=1, sim_tokens_per_second=2000)
+    cfg, records = sim_servers(num_servers=1, sim_tokens_per_second=2000)
     prompts, bucket = write_prompts(tmp_path / "prompts.jsonl", 40), s3_server.new_bucket()
     args = cli("--prompts", str(prompts), "--output", f"s3://{bucket}/ds", "--work-dir", str(tmp_path / "work"),
                "--endpoints", records[0].url, "--api-key", records[0].api_key, "--num-shards", "2",
@@ -363,6 +364,10 @@ def test_a_publish_killed_after_its_commit_leaves_nothing_once_the_output_runs_a
     assert sorted(glob_ids()) == sorted(read_ids(prompts))
     assert not s3_server.keys(bucket, "ds/_regen/parts/") and not s3_server.keys(bucket, "ds/_regen/commits/")
     assert len(s3_server.keys(bucket, "ds/_regen/fences/")) == 2
+    work = tmp_path / "work"
+    assert main(["audit", "--data", f"s3://{bucket}/ds/data", "--work-dir", str(work), "--tokenizer",
+                 cfg.model_path]) == 0
+    assert RunLayout.for_output(f"s3://{bucket}/ds", work_dir=work).audit.summary_json.exists()
 
 
 @pytest.mark.slow

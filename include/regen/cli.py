@@ -23,6 +23,7 @@ from regen.engines.simulator.app import main as simulator_main
 from regen.errors import DataError, RegenError
 from regen.export import RecipeConflict, RecipeIncomplete, export_recipe, export_sharegpt, export_specforge, export_tokens
 from regen.files import read_json
+from regen.layout import RunLayout
 from regen.objectstore import is_store_url, local_path
 from regen.pipeline import execute, run
 from regen.preflight import PreflightFailed
@@ -212,8 +213,9 @@ def cmd_export(args) -> int:
     """Every format writes the recipe the output was audited with (regen.export.export_recipe);
     flags override it, and one that contradicts it is refused unless --force."""
     cfg = load_config(args)
+    data = RunLayout.from_data_arg(args.data, cfg.work_dir)  # a bucket's audit and manifest are in work_dir
     try:
-        recipe = export_recipe(args.data, {"train_template": cfg.audit.train_template,
+        recipe = export_recipe(data, {"train_template": cfg.audit.train_template,
                                            "train_layout": cfg.audit.train_layout,
                                            "train_max_length": cfg.audit.train_max_length}, force=args.force)
     except RecipeConflict as exc:
@@ -223,7 +225,7 @@ def cmd_export(args) -> int:
                                    or cfg.model_path)
     if args.format == "specforge":
         try:
-            result = export_specforge(args.data, args.out, tokenizer, recipe["train_template"], recipe["train_layout"],
+            result = export_specforge(data, args.out, tokenizer, recipe["train_template"], recipe["train_layout"],
                                       recipe["train_max_length"])
         except RecipeIncomplete as exc:
             print(exc, file=sys.stderr)
@@ -231,10 +233,10 @@ def cmd_export(args) -> int:
         print(result.summary())
         return 0
     if args.format == "tokens":
-        result = export_tokens(args.data, args.out, tokenizer, recipe["train_template"], recipe["train_layout"],
+        result = export_tokens(data, args.out, tokenizer, recipe["train_template"], recipe["train_layout"],
                                cfg.enable_thinking)
     else:
-        result = export_sharegpt(args.data, args.out, expect_reasoning=args.expect_reasoning,
+        result = export_sharegpt(data, args.out, expect_reasoning=args.expect_reasoning,
                                  train_layout="events" if recipe["train_layout"] == "events" else "conversation")
     print(result.summary())
     return 0

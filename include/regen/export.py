@@ -44,7 +44,7 @@ RECIPE_FIELDS = {"train_template": "template", "train_layout": "layout", "train_
 RECIPE_UNSET = {"train_template": "auto", "train_layout": "auto", "train_max_length": None}
 
 
-def export_recipe(data: str | Path, given: dict, force: bool = False) -> dict:
+def export_recipe(data: str | Path | RunLayout, given: dict, force: bool = False) -> dict:
     """The recipe an export writes: the one the output's audit judged (so training sees what passed),
     each field ``given`` (a flag or the config, when set) in its place; a template or max length that
     differs from the audited one is refused unless ``force``. Without an audit, what is given; the
@@ -85,7 +85,7 @@ class ExportResult:
                 + (f"; {checks}" if checks else ""))
 
 
-def export_sharegpt(data_dir: str | Path, out: str | Path, expect_reasoning: bool = True,
+def export_sharegpt(data_dir: str | Path | RunLayout, out: str | Path, expect_reasoning: bool = True,
                     train_layout: TrainLayout = "conversation", agentic: bool = False) -> ExportResult:
     """Stream the shards into ``out``, written beside it and renamed into place when complete:
     one conversation per prompt, or (``events``) what SpecForge's expander writes from that file.
@@ -107,7 +107,7 @@ def export_sharegpt(data_dir: str | Path, out: str | Path, expect_reasoning: boo
     return _export(data_dir, out, record, "events" if train_layout == "events" else "conversations")
 
 
-def export_tokens(data_dir: str | Path, out: str | Path, tokenizer_dir: str | Path,
+def export_tokens(data_dir: str | Path | RunLayout, out: str | Path, tokenizer_dir: str | Path,
                   template_name: str = "auto", train_layout: str = "auto", default_thinking: bool = True) -> ExportResult:
     """``{"id", "input_ids", "loss_mask"}`` per training sample (a conversation, or an event in
     the events layout), what SpecForge's parser makes of the same sample (its system prompt,
@@ -168,7 +168,7 @@ def export_tokens(data_dir: str | Path, out: str | Path, tokenizer_dir: str | Pa
     return result
 
 
-def _export(data_dir: str | Path, out: str | Path, record, unit: str = "records", samples=None) -> ExportResult:
+def _export(data_dir: str | Path | RunLayout, out: str | Path, record, unit: str = "records", samples=None) -> ExportResult:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = ExportResult(out, unit=unit)
@@ -213,7 +213,7 @@ class RecipeResult:
                 + f"\ntrain on {' and '.join(train)}; the `data:` block of each file is in {self.folder / RECIPE_CONFIG}")
 
 
-def export_specforge(data_dir: str | Path, out_dir: str | Path, tokenizer_dir: str | Path,
+def export_specforge(data_dir: str | Path | RunLayout, out_dir: str | Path, tokenizer_dir: str | Path,
                      template_name: str = "auto", train_layout: str = "auto",
                      max_length: int | None = None) -> RecipeResult:
     """Every file SpecForge's documented steps take, from one run, in ``out_dir``:

@@ -118,8 +118,11 @@ class RunLayout:
         return cls(local_path(output), node)
 
     @classmethod
-    def from_data_arg(cls, path: str | Path, work_dir: str | Path | None = None) -> "RunLayout":
-        """``--data`` takes an output directory or its ``data/`` (a folder or a URL): either names the run."""
+    def from_data_arg(cls, path: str | Path | RunLayout, work_dir: str | Path | None = None) -> "RunLayout":
+        """``--data`` takes an output directory or its ``data/`` (a folder or a URL): either names the
+        run (a layout already made is itself)."""
+        if isinstance(path, RunLayout):
+            return path
         if is_store_url(path):
             url = str(path).rstrip("/")
             return cls.for_output(url[:-len("/data")] if url.endswith("/data") else url, work_dir=work_dir)

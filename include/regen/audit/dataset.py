@@ -214,7 +214,7 @@ def audit(cfg: RunConfig, data: str | None = None, tokenizer: str | None = None,
               report_dir: str | None = None) -> AuditResult:
     """The audit stage: AuditFailed (with the five-line summary) when the data fails. ``data``
     takes an output directory or its data/ (default: the run's output)."""
-    layout = RunLayout.from_data_arg(data) if data else cfg.layout
+    layout = RunLayout.from_data_arg(data, cfg.work_dir) if data else cfg.layout
     result = audit_dataset(layout, tokenizer or cfg.model_path,
                            Path(report_dir) if report_dir else layout.audit.root,
                            AuditThresholds.from_config(cfg), default_thinking=cfg.enable_thinking)
