@@ -214,3 +214,22 @@ def test_the_specforge_recipe_accounts_for_every_prompt_and_its_files_pass_its_s
     with pytest.raises(RecipeIncomplete, match=r"have no row \(is every shard finished\?\)"):
         export_specforge(unfinished.output, tmp_path / "refused", tiny_model)
     assert not list((tmp_path / "refused").glob("*.jsonl"))
+
+
+def test_an_export_killed_mid_write_leaves_no_temporary_once_one_runs_again(tmp_path):
+    """A writer SIGKILLed inside its temporary (as a killed export, audit or publish is) left a
+    `.tmp` beside the file for ever; the next export of that file removes it, and never a live
+    writer's."""
+    data = write_dataset(tmp_path / "data", [row(i) for i in range(6)])
+    out = tmp_path / "train.jsonl"
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os, signal, sys\nfrom regen.files import atomic_file\n"
+        f"with atomic_file({str(out)!r}) as fh:\n"
+        "    fh.write('half a line'); fh.flush(); os.kill(os.getpid(), signal.SIGKILL)")])
+    assert killed.returncode == -9 and len(list(tmp_path.glob(".train.jsonl.*.tmp"))) == 1
+    live = tmp_path / f".train.jsonl.{os.uname().nodename.replace('.', '-')}-{os.getpid()}.abc.tmp"
+    live.write_text("a writer of this test's own process, still alive")
+    done = subprocess.run([str(BIN / "regen"), "export", "--data", str(data), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert sorted(tmp_path.glob(".train.jsonl.*.tmp")) == [live] and len(out.read_text().splitlines()) == 6

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -32,27 +33,50 @@ def fsync_dir(directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: Path, private: bool = False, work_dir: Path | None = None) -> Iterator[Path]:
-    """A temporary path for the caller to write, beside ``path`` or in ``work_dir`` (on the same
-    filesystem: what must never show half-written in a folder is written elsewhere); renamed over
-    ``path`` when the block ends without an exception, removed otherwise."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(work_dir) if work_dir is not None else path.parent
-    tmp_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=tmp_dir)
+def scratch_file(folder: Path, name: str, private: bool = False) -> Iterator[Path]:
+    """A new temporary file for writing ``name`` in ``folder``, removed when the block ends. Its
+    name says which host and process writes it: a killed writer's leftovers of ``name`` go the next
+    time one is made (another node's on a shared folder stay)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    host = socket.gethostname().replace(".", "-")
+    for leftover in folder.glob(f".{name}.{host}-*.tmp"):
+        pid = leftover.name[len(f".{name}.{host}-"):].split(".", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            leftover.unlink(missing_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.{host}-{os.getpid()}.", suffix=".tmp", dir=folder)
     os.close(fd)  # mkstemp created it owner-only with O_EXCL: nothing else can own this name
     tmp_path = Path(tmp)
     if not private:
         os.chmod(tmp_path, 0o644 & ~_umask())
     try:
         yield tmp_path
-        with open(tmp_path, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp_path, path)
-    except BaseException:
+    finally:
         tmp_path.unlink(missing_ok=True)
-        raise
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # somebody else's: alive
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path, private: bool = False, work_dir: Path | None = None) -> Iterator[Path]:
+    """A temporary path for the caller to write, beside ``path`` or in ``work_dir`` (on the same
+    filesystem: what must never show half-written in a folder is written elsewhere); renamed over
+    ``path`` when the block ends without an exception, removed otherwise."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with scratch_file(Path(work_dir) if work_dir is not None else path.parent, path.name, private) as tmp:
+        yield tmp
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
     fsync_dir(path.parent)
 
 

@@ -26,7 +26,6 @@ import io
 import json
 import logging
 import os
-import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
@@ -37,6 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from regen.errors import ShardFailed
+from regen.files import scratch_file
 from regen.layout import RunLayout
 from regen.machine import node_name
 from regen.objectstore import META, ObjectStore, transient_errors
@@ -364,17 +364,12 @@ class BucketShardStore(ShardStore):
         """Seal what the journal holds, then the shard's file as on a local disk (the last row of
         this run per id), streamed to the work folder and uploaded over the published one."""
         self.seal()
-        self.journal_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.name}.", suffix=".parquet.tmp", dir=self.journal_path.parent)
-        os.close(fd)
-        try:
+        with scratch_file(self.journal_path.parent, f"{self.name}.parquet") as tmp:
             def publish() -> int:
-                count = self._write(Path(tmp), self._chosen(hashes, settings_hash), batch_rows)
-                self.parts.install(Path(tmp), hashes, count)
+                count = self._write(tmp, self._chosen(hashes, settings_hash), batch_rows)
+                self.parts.install(tmp, hashes, count)
                 return count
 
             count = self._store_io("publish the shard to", publish)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
         self.journal_path.unlink(missing_ok=True)
         return count
