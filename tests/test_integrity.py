@@ -259,15 +259,16 @@ def test_a_shard_publishes_only_when_it_holds_exactly_its_ids(tmp_path):
 
 
 def test_the_audit_fails_rows_this_run_did_not_produce(sim_servers, tmp_path):
-    """Mixed settings and stale prompts fail the audit; rows are counted per settings hash."""
+    """Mixed settings, stale prompts and prompts the data lacks fail the audit; rows are counted
+    per settings hash."""
     cfg, records = sim_servers(num_servers=1, num_shards=2)
     prompts = write_prompts(tmp_path / "p.jsonl", 200)
     cfg = cfg.model_copy(update={"prompts": str(prompts)})
     run("preflight", cfg, code=False)
     run("generate", cfg, shards=[0])
     run("generate", cfg.model_copy(update={"max_tokens": 900}), shards=[1])  # another setting
-    write_prompts(prompts, 200, edit=[3])
-    run("preflight", cfg, code=False)  # the next run's manifest: p3 is not what it was
+    write_prompts(prompts, 205, edit=[3])
+    run("preflight", cfg, code=False)  # the next run's manifest: p3 is not what it was, p200-p204 are new
     report = audit_dataset(cfg.output, cfg.model_path, tmp_path / "audit",
                            AuditThresholds(1, 1.0, train_layout="conversation"))  # a sample per row
     doc = report.to_json()
@@ -281,6 +282,8 @@ def test_the_audit_fails_rows_this_run_did_not_produce(sim_servers, tmp_path):
     assert doc["counts"]["foreign_settings"] == sum(n for h, n in files.items() if h != run_hash)
     assert doc["counts"]["stale_prompt"] == 1
     assert "NOT THIS RUN'S" in doc["summary"][3]
+    assert doc["provenance"]["missing_ids"] == 5 and doc["provenance"]["missing_examples"] == ["p200", "p201", "p202"]
+    assert any(r.startswith("5 prompts of the published shards have no row") for r in doc["reasons"])
 
 
 def test_a_cut_history_line_does_not_hide_the_run(tmp_path):

@@ -29,7 +29,7 @@ from regen.chat.templates import TRAIN_TEMPLATES, recipe
 from regen.config import RunConfig
 from regen.errors import DataError
 from regen.files import atomic_path, atomic_write_json, atomic_write_text
-from regen.layout import AuditFiles, RunLayout
+from regen.layout import AuditFiles, RunLayout, parse_shard_file
 from regen.manifest import Manifest
 from regen.progress import RunProgress
 from regen.prompts import shard_of
@@ -57,9 +57,11 @@ class Provenance:
         common = self.settings_counts.most_common(1)
         self.settings_hash = doc.get("settings_hash") or (common[0][0] if common else None)
         # How much of the run the data is: the run's shard count (its manifest) and its shard files.
-        self.shards_published = len(layout.shard_files())
+        self.shard_files = layout.shard_files()
+        self.shards_published = len(self.shard_files)
         self.run_shards = doc.get("num_shards")
         self._slices: dict[int, dict[str, str]] = {}
+        self.seen: set[str] = set()
 
     def _expected(self, prompt_id: str) -> str | None:
         shard = shard_of(prompt_id, self.num_shards)
@@ -77,10 +79,29 @@ class Provenance:
             if self.settings_hash and row.get("settings_hash", self.settings_hash) != self.settings_hash:
                 result["findings"].append("foreign_settings")
 
+    def reading(self, batches: Iterable[list[dict]]) -> Iterator[list[dict]]:
+        """The data's batches, each id noted on the way (failed rows too, which make no sample)."""
+        for rows in batches:
+            self.seen.update(row["id"] for row in rows)
+            yield rows
+
+    def missing(self) -> list[str]:
+        """The manifest's prompts of each published shard that have no row in the data."""
+        if not self.num_shards:
+            return []
+        out = []
+        for path in self.shard_files:
+            shard, of = parse_shard_file(Path(path).name) or (None, None)
+            if of == self.num_shards:
+                out += set(self.manifest.shard_prompts(shard).ids) - self.seen
+        return sorted(out)
+
     def to_json(self) -> dict:
+        missing = self.missing()
         return {"settings_hash": self.settings_hash, "rows_per_settings_hash": dict(self.settings_counts),
                 "checked_against_manifest": bool(self.num_shards),
-                "shards_published": self.shards_published, "num_shards": self.run_shards}
+                "shards_published": self.shards_published, "num_shards": self.run_shards,
+                "missing_ids": len(missing), "missing_examples": missing[:3]}
 
 
 def resolved(thresholds: AuditThresholds, tokenizer) -> AuditThresholds:
@@ -175,7 +196,7 @@ def audit_dataset(data: str | Path | RunLayout, tokenizer_dir: str | Path, repor
     summary = AuditSummary()
     seen: set[str] = set()
     provenance = Provenance(layout)
-    batches = iter_batches(layout, batch_size)
+    batches = provenance.reading(iter_batches(layout, batch_size))
     with atomic_path(files.samples_parquet) as samples_tmp, \
             pq.ParquetWriter(samples_tmp, SAMPLE_SCHEMA, compression="zstd") as writer:
         for samples, results in audited_batches(batches, str(tokenizer_dir), thresholds,

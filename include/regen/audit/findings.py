@@ -197,6 +197,7 @@ class AuditReport:
     @property
     def passed(self) -> bool:
         return self.summary.audited > 0 and not any(self.summary.counts[f] for f in PROVENANCE) and (
+            not self.provenance.get("missing_ids")) and (
             self.summary.degenerate_fraction <= self.thresholds.max_degenerate_fraction) and (
             self.summary.divergence_fraction <= self.thresholds.max_divergence_fraction) and (
             self.summary.on_policy_fraction is None
@@ -216,6 +217,10 @@ class AuditReport:
         if foreign:
             out.append("rows that are not this run's: " + ", ".join(f"{f} {n:,}" for f, n in foreign.items())
                        + " (another prompt file or other settings wrote them)")
+        if self.provenance.get("missing_ids"):
+            out.append(f"{self.provenance['missing_ids']:,} prompts of the published shards have no row "
+                       f"(e.g. {', '.join(self.provenance['missing_examples'])}): the shards hold fewer ids than "
+                       "the run's manifest; run the output again to send them")
         if s.audited and s.degenerate_fraction > t.max_degenerate_fraction:
             out.append(f"{s.counts['degenerate']:,} of {s.audited:,} samples degenerate (fraction "
                        f"{s.degenerate_fraction:.4f} above max_degenerate_fraction {t.max_degenerate_fraction:.4f}): "
