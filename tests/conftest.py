@@ -6,6 +6,7 @@ module imports Airflow.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -205,20 +206,35 @@ def airflow(tmp_path_factory):
         yield deployment
 
 
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """moto's S3 server on loopback, its endpoint and keys in this process's environment (and so
     in every regen process a test starts), as AWS's own would be."""
     from support.s3 import moto_server
 
-    with moto_server(tmp_path_factory.mktemp("moto") / "moto.log") as server:
-        saved = {k: os.environ.get(k) for k in server.env}
-        os.environ.update(server.env)
-        try:
-            yield server
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+    with moto_server(tmp_path_factory.mktemp("moto") / "moto.log") as server, _environment(server.env):
+        yield server
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """fake-gcs-server on loopback, found through STORAGE_EMULATOR_HOST in this process's
+    environment (and so in every regen process a test starts)."""
+    from support.gcs import fake_gcs_server
+
+    with fake_gcs_server(tmp_path_factory.mktemp("gcs")) as server, _environment(server.env):
+        yield server
