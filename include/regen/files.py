@@ -10,6 +10,7 @@ name, and never reuses an existing temporary file.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import socket
@@ -96,6 +97,15 @@ def atomic_write_json(path: Path, data: Any, private: bool = False) -> None:
 def atomic_write_text(path: Path, text: str, private: bool = False) -> None:
     with atomic_file(path, "w", private) as fh:
         fh.write(text)
+
+
+def sha256_file(path: Path) -> str:
+    """A file's SHA-256, read a MiB at a time (weights, a shard file run to gigabytes)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_json(path: Path) -> Any:

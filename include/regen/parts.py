@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from regen.errors import ShardFailed
-from regen.files import scratch_file
+from regen.files import scratch_file, sha256_file
 from regen.layout import RunLayout
 from regen.machine import node_name
 from regen.objectstore import META, ObjectStore, transient_errors
@@ -182,7 +182,7 @@ class ShardParts:
         self.check_claim()
         self.store.replace_file(self.data_key, path)
         commit = {"file": self.data_key, "rows": rows, "bytes": path.stat().st_size,
-                  "sha256": _file_digest(path), "ids_sha256": ids_digest(ids), "fence": self.fence}
+                  "sha256": sha256_file(path), "ids_sha256": ids_digest(ids), "fence": self.fence}
         self.store.put(self.published_key, json.dumps(commit).encode())
         self.gc()
 
@@ -216,14 +216,6 @@ class ShardParts:
 def _fence_of(name: str) -> int:
     """The fence of a fence record, a part or a commit by its name (``f000003…``)."""
     return int(name[1:7])
-
-
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def shard_store(cfg, shard: int) -> ShardStore:

@@ -23,6 +23,7 @@ from pathlib import Path
 from regen.config import RunConfig
 from regen.coordination import FileLock
 from regen.errors import RegenError
+from regen.files import sha256_file
 from regen.machine import node_name
 from regen.manifest import SMALL_FILE, STAGED_COPY_RECORD, Manifest, model_fingerprint
 from regen.results import StagedModel
@@ -52,14 +53,6 @@ def source_manifest(src: Path) -> dict[str, dict]:
             st = path.stat()
             files[str(path.relative_to(src))] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
     return files
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def staged_path(src: Path, staging_dir: Path) -> Path:
