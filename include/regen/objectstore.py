@@ -15,6 +15,7 @@ GCP's application default): never from a Param, a log line or a row.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -223,6 +224,7 @@ def _filesystem(scheme: str):
     return fsspec.filesystem("gcs")
 
 
+@functools.cache
 def transient_errors() -> tuple[type[BaseException], ...]:
     """What a store's client raises when the store is unreachable or refuses for now (an OSError
     but a missing key or a refused permission, which its caller tells apart): worth trying again.
@@ -276,7 +278,9 @@ def published_files(store: ObjectStore) -> list[str]:
         commit = json.loads(store.read(f"{META}/published/{name}"))
         if store.size(commit["file"]) != commit["bytes"]:
             raise DataError(f"{store.url_of(commit['file'])}: {store.size(commit['file']):,} bytes where its "
-                            f"commit says {commit['bytes']:,}; the store changed a published file")
+                            f"commit says {commit['bytes']:,}: a rerun is replacing the shard (read again once it "
+                            f"is published), one was killed while it did (the output's next run finishes it), or "
+                            f"something else changed the file")
         files.append(commit["file"])
     return sorted(files)
 
