@@ -86,10 +86,22 @@ def _deadline(name: str) -> dict:
 
 @task(retries=0, **_deadline("preflight"))
 def preflight(dag_nodes: list[str], dag_queue: str | None) -> list[int]:
+    """The checks, then the output claimed: a run holding it is taken over only once Airflow says
+    it has ended (regen.coordination.owner)."""
     from airflow.configuration import conf
 
-    return _run("preflight", dag_nodes=dag_nodes, dag_queue=dag_queue,
-                max_map_length=conf.getint("core", "max_map_length")).shards
+    from regen.preflight import PreflightFailed
+
+    kwargs = {"dag_nodes": dag_nodes, "dag_queue": dag_queue, "max_map_length": conf.getint("core", "max_map_length")}
+    try:
+        return _run("preflight", ended_runs=[], **kwargs).shards
+    except PreflightFailed as exc:
+        holder = exc.held_by or ""
+        dag_id, _, run_id = holder.partition("/")
+        if not run_id or get_current_context()["ti"].get_dr_count(
+                dag_id=dag_id, run_ids=[run_id], states=["queued", "running"]):
+            raise
+    return _run("preflight", ended_runs=[holder], **kwargs).shards
 
 
 @task(retries=1, retry_delay=timedelta(seconds=10), **_deadline("stage_weights"))

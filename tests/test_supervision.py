@@ -451,9 +451,10 @@ def test_an_approval_hold_past_its_deadline_no_longer_keeps_the_servers(tmp_path
 
 def test_a_second_run_on_an_output_is_refused_at_preflight_naming_the_first(make_config):
     """Two DAGs given one output: the second's preflight fails naming the run that holds it, and
-    nothing of the first is touched (its servers, its manifest); the first's teardown frees it,
-    and a holder of which nothing lives any more is taken over."""
-    from regen.coordination.owner import CLAIM_GRACE_S
+    nothing of the first is touched (its servers, its manifest); the first's teardown frees it.
+    A holder is taken over only once Airflow says its run ended, however old its claim; with no
+    one to ask, once nothing of it lives and it has not renewed for CLAIM_STALE_S."""
+    from regen.coordination.owner import CLAIM_STALE_S
     from regen.files import atomic_write_json
     from regen.preflight import PreflightFailed
 
@@ -463,15 +464,22 @@ def test_a_second_run_on_an_output_is_refused_at_preflight_naming_the_first(make
     records = launch_servers(cfg, cfg.model_path, run_id="regenerate_a/run-1")
     manifest = layout.manifest.read_bytes()
     try:
-        with pytest.raises(PreflightFailed, match="held by run regenerate_a/run-1"):
+        with pytest.raises(PreflightFailed, match="held by run regenerate_a/run-1") as refused:
             run("preflight", cfg.model_copy(update={"max_tokens": 77}), code=False, run_id="regenerate_b/run-1")
+        assert refused.value.held_by == "regenerate_a/run-1"  # what the DAG asks Airflow about
         assert [r.running() for r in read_state(layout)] == [True]
         assert layout.manifest.read_bytes() == manifest
         run("preflight", cfg, code=False, run_id="regenerate_a/run-1")  # its own retry: still its own
         run("stop_servers", cfg, run_id="regenerate_a/run-1")  # the teardown releases the output
         run("preflight", cfg, code=False, run_id="regenerate_b/run-1")
-        atomic_write_json(layout.owner, {"run_id": "regenerate_b/run-1", "since": time.time() - CLAIM_GRACE_S - 1})
-        run("preflight", cfg, code=False, run_id="regenerate_c/run-1")  # nothing of b lives: taken over
+        stale = time.time() - CLAIM_STALE_S - 1
+        atomic_write_json(layout.owner, {"run_id": "regenerate_b/run-1", "since": stale, "renewed": stale})
+        with pytest.raises(PreflightFailed, match="held by run regenerate_b/run-1"):  # Airflow: b still runs
+            run("preflight", cfg, code=False, run_id="regenerate_c/run-1", ended_runs=[])
+        run("preflight", cfg, code=False, run_id="regenerate_c/run-1", ended_runs=["regenerate_b/run-1"])
         assert json.loads(layout.owner.read_text())["run_id"] == "regenerate_c/run-1"
+        atomic_write_json(layout.owner, {"run_id": "regenerate_c/run-1", "since": stale, "renewed": stale})
+        run("preflight", cfg, code=False, run_id="regenerate_d/run-1")  # no one to ask, nothing of c lives
+        assert json.loads(layout.owner.read_text())["run_id"] == "regenerate_d/run-1"
     finally:
         stop_records(records, grace_s=5)

@@ -30,6 +30,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
+from regen.procs import own_python, private_dir
+
 _HEADER = struct.Struct("!Q")
 
 
@@ -73,8 +75,8 @@ def _resolve(target: str) -> Callable:
 
 class _Child:
     def __init__(self, initializer: str, init_args: tuple, function: str, env: dict[str, str]):
-        self.proc = subprocess.Popen([sys.executable, "-m", "regen.childpool"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env, close_fds=True)
+        self.proc = subprocess.Popen(own_python("regen.childpool"), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env, close_fds=True, cwd=private_dir())
         _write(self.proc.stdin, (initializer, init_args, function))
 
     def call(self, args: tuple) -> Any:
@@ -158,8 +160,9 @@ def call_bounded(function: str, args: tuple, seconds: float, memory_bytes: int) 
     request = io.BytesIO()
     _write(request, ("regen.childpool:_nothing", (), function))
     _write(request, args)
-    proc = subprocess.Popen([sys.executable, "-m", "regen.childpool"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=bounded_env, close_fds=True, preexec_fn=limits)
+    proc = subprocess.Popen(own_python("regen.childpool"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=bounded_env, close_fds=True, preexec_fn=limits,
+                            cwd=private_dir())
     try:
         out, err = proc.communicate(request.getvalue(), timeout=seconds)
     except subprocess.TimeoutExpired:

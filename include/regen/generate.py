@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 from regen.alerts import check_overdue
 from regen.client import Generator
 from regen.config import RunConfig
-from regen.coordination import FairShare, end_approval_hold
+from regen.coordination import FairShare, check_held, end_approval_hold
 from regen.dispatch import ClientTuning, ServerPool, open_endpoints, scrape_metrics
 from regen.errors import ShardFailed
 from regen.files import read_json
@@ -276,6 +276,7 @@ class ShardRun:
 
     def _append(self, row: dict) -> None:
         shard = self.shard_of[row["id"]]
+        check_held(self.cfg.layout)
         try:
             shard.journal.append(row)
             shard.store.appended(row)

@@ -35,6 +35,7 @@ from typing import Callable, Iterable, Iterator, TypeVar
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from regen.coordination import check_held
 from regen.errors import ShardFailed
 from regen.files import scratch_file, sha256_file
 from regen.layout import RunLayout
@@ -337,6 +338,7 @@ class BucketShardStore(ShardStore):
         return rows
 
     def _seal(self, rows: list[dict]) -> None:
+        check_held(self.layout)
         self._store_io("seal a part on", lambda: self.parts.seal(rows))
 
     def _check_sealing(self, wait: bool = False) -> None:
@@ -359,6 +361,7 @@ class BucketShardStore(ShardStore):
         with scratch_file(self.journal_path.parent, f"{self.name}.parquet") as tmp:
             def publish() -> int:
                 count = self._write(tmp, self._chosen(hashes, settings_hash), batch_rows)
+                check_held(self.layout)
                 self.parts.install(tmp, hashes, count)
                 return count
 

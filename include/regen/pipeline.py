@@ -19,6 +19,7 @@ import traceback
 from typing import Any
 
 from regen.config import NodeSpec, RunConfig
+from regen.coordination import holding_output
 from regen.errors import RegenError
 from regen.objectstore import is_store_url, local_copy
 from regen.placement import NODE_LOST_AFTER_S, claim_node
@@ -48,6 +49,8 @@ def run(name: str, cfg: RunConfig, node: str | None = None, run_id: str | None =
     entry = stage(name)
     if entry.takes_run_id and run_id is not None:
         kwargs["run_id"] = run_id
+    if entry.holds_output and run_id not in (None, "cli"):
+        kwargs["held_by"] = run_id
     if entry.where is Where.NODE:
         result = _run_at(entry, cfg.for_node(_spec(cfg, node)), kwargs)
     elif entry.where is Where.CLAIM and not kwargs.get("endpoints"):
@@ -94,7 +97,16 @@ def _run_at(entry: Stage, cfg: RunConfig, kwargs: dict[str, Any]) -> StageResult
             if not doc.get("ok"):
                 raise RegenError.from_doc(doc.get("error") or {}, where=where)
             return entry.result.model_validate(doc["result"])
-        return entry.result.model_validate(_as_document(entry.function()(_here(cfg), **kwargs)))
+        return entry.result.model_validate(_call(entry, cfg, kwargs))
+
+
+def _call(entry: Stage, cfg: RunConfig, kwargs: dict[str, Any]) -> dict:
+    """The stage's function here, holding the run's output while it works when a DAG run asks
+    (``held_by``); its result as a document."""
+    kwargs = dict(kwargs)
+    held_by = kwargs.pop("held_by", None)
+    with holding_output(cfg.layout, held_by) if held_by else contextlib.nullcontext():
+        return _as_document(entry.function()(_here(cfg), **kwargs))
 
 
 def _here(cfg: RunConfig) -> RunConfig:
@@ -107,8 +119,7 @@ def _here(cfg: RunConfig) -> RunConfig:
 def execute(name: str, cfg: RunConfig, kwargs: dict) -> dict:
     """What a node does for :func:`run`: the stage here, its outcome as one document."""
     try:
-        entry = stage(name)
-        return {"stage": name, "ok": True, "result": _as_document(entry.function()(_here(cfg), **kwargs))}
+        return {"stage": name, "ok": True, "result": _call(stage(name), cfg, kwargs)}
     except RegenError as exc:
         return {"stage": name, "ok": False, "error": exc.to_doc()}
     except Exception as exc:  # a bug: its type, message and traceback reach the Airflow side

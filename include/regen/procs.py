@@ -12,14 +12,42 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from regen.errors import RegenError
+
 log = logging.getLogger("regen.procs")
 
 _children: dict[int, subprocess.Popen] = {}  # reaped here when this process started them
+
+
+class KeyDirError(RegenError):
+    """The node user's private folder is not this user's alone."""
+
+
+def private_dir() -> Path:
+    """This user's owner-only folder on the node (``REGEN_KEY_DIR``, else ~/.cache/regen/keys):
+    the servers' keys and seals, and the working folder of every child regen starts. A child
+    started with ``-m`` or ``-c`` imports from its working folder first, so that folder must be
+    one no output, temp folder or other user can write. An existing one must be this user's alone."""
+    root = Path(os.environ.get("REGEN_KEY_DIR") or Path.home() / ".cache" / "regen" / "keys")
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = root.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise KeyDirError(f"key folder {root}: must be a directory of this user's alone (it is "
+                          f"{'a symlink' if stat.S_ISLNK(st.st_mode) else oct(st.st_mode & 0o777)}, owner uid "
+                          f"{st.st_uid}); `chmod 700 {root}` or set REGEN_KEY_DIR to one")
+    return root
+
+
+def own_python(module: str) -> list[str]:
+    """regen's interpreter running ``module``, with no script or working folder on its import
+    path (``-P``): only regen's installed package (and PYTHONPATH, the deployment's) is imported."""
+    return [sys.executable, "-P", "-m", module]
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -80,11 +108,11 @@ def signal_session(pid: int, ticks: int | None, sig: int) -> bool:
     return True
 
 
-def spawn(argv: list[str], log_path: Path, env: dict[str, str], cwd: Path,
-          secret: str | None = None) -> subprocess.Popen:
-    """A server in a session of its own, its output appended to ``log_path`` (owner-only);
-    with a ``secret``, through a pipe to :mod:`regen.logrelay` (a process of its own beside the
-    server, not around it), which takes the secret out of the log."""
+def spawn(argv: list[str], log_path: Path, env: dict[str, str], secret: str | None = None) -> subprocess.Popen:
+    """A server in a session of its own, its output appended to ``log_path`` (owner-only),
+    working in :func:`private_dir`; with a ``secret``, through a pipe to :mod:`regen.logrelay`
+    (a process of its own beside the server, not around it), which takes the secret out of the log."""
+    cwd = private_dir()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.chmod(log_path, 0o600)
     with os.fdopen(fd, "ab") as log_fh:
@@ -94,7 +122,7 @@ def spawn(argv: list[str], log_path: Path, env: dict[str, str], cwd: Path,
         else:
             read_end, write_end = os.pipe()
             try:
-                relay = subprocess.Popen([sys.executable, "-m", "regen.logrelay", str(log_path)], stdin=read_end,
+                relay = subprocess.Popen([*own_python("regen.logrelay"), str(log_path)], stdin=read_end,
                                          stdout=subprocess.DEVNULL, stderr=log_fh,
                                          env={**env, "REGEN_LOG_SECRET": secret}, start_new_session=True, cwd=cwd)
                 _children[relay.pid] = relay

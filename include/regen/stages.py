@@ -40,6 +40,9 @@ class Stage:
     # canary's estimate (regen.generate.shard_deadline_s) when there is one.
     deadline_s: float = 3600.0
     plus_startup_timeout: bool = False
+    # It works on the run's output: in a DAG run it holds the output's claim while it runs
+    # (regen.coordination.owner.holding_output), and fails at once if another run took it over.
+    holds_output: bool = False
 
     def deadline(self, startup_timeout_s: float, kwargs: dict | None = None) -> float:
         """This stage's deadline with these servers (their startup timeout) and arguments."""
@@ -55,17 +58,17 @@ class Stage:
 STAGES: dict[str, Stage] = {stage.name: stage for stage in (
     Stage("preflight", "regen.preflight", results.PreflightResult, Where.RUN, takes_run_id=True),
     Stage("stage_weights", "regen.preflight", results.StagedModel, Where.NODE,
-          deadline_s=6 * 3600.0),  # a terabyte of weights from a slow share
+          deadline_s=6 * 3600.0, holds_output=True),  # a terabyte of weights from a slow share
     Stage("start_servers", "regen.servers.lifecycle", results.ServersUp, Where.NODE, takes_run_id=True,
-          deadline_s=900.0, plus_startup_timeout=True),
+          deadline_s=900.0, plus_startup_timeout=True, holds_output=True),
     Stage("canary", "regen.canary", results.CanaryReport, Where.EVERY_NODE, takes_run_id=True,
-          deadline_s=2 * 3600.0),
+          deadline_s=2 * 3600.0, holds_output=True),
     Stage("generate", "regen.generate", results.GenerateResult, Where.CLAIM, takes_run_id=True,
-          deadline_s=7 * 24 * 3600.0),  # without a canary's estimate: a week
+          deadline_s=7 * 24 * 3600.0, holds_output=True),  # without a canary's estimate: a week
     Stage("stop_servers", "regen.servers.lifecycle", results.ServersStopped, Where.NODE,
           takes_run_id=True, deadline_s=900.0),
     Stage("audit", "regen.audit.dataset", results.AuditResult, Where.AFTER_GENERATION,
-          deadline_s=6 * 3600.0),
+          deadline_s=6 * 3600.0, holds_output=True),
     Stage("server_plan", "regen.servers.plan", results.ServerPlan, Where.NODE, deadline_s=300.0),
     Stage("server_logs", "regen.servers.lifecycle", results.ServerLogs, Where.NODE, deadline_s=300.0),
     Stage("status", "regen.status", results.RunStatus, Where.RUN, deadline_s=60.0),

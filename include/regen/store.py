@@ -19,7 +19,7 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from regen.coordination import FileLock, LockHeld
+from regen.coordination import FileLock, LockHeld, check_held
 from regen.errors import ShardFailed
 from regen.files import atomic_path
 from regen.layout import RunLayout, shard_name
@@ -266,6 +266,7 @@ class ShardStore:
         """The last row of this run for each of the shard's ids, streamed into a file beside the
         journal, then renamed over the shard's file; the journal goes."""
         keep = self._chosen(hashes, settings_hash)
+        check_held(self.layout)
         with atomic_path(self.final, work_dir=self.journal_path.parent) as tmp:
             count = self._write(tmp, keep, batch_rows)
         self.journal_path.unlink(missing_ok=True)

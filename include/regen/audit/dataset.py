@@ -60,6 +60,7 @@ class Provenance:
         self.shard_files = layout.shard_files()
         self.shards_published = len(self.shard_files)
         self.run_shards = doc.get("num_shards")
+        self.made_by = doc.get("run_id")  # the run whose preflight wrote the manifest the rows answer
         self._slices: dict[int, dict[str, str]] = {}
         self.seen: set[str] = set()
 
@@ -98,7 +99,7 @@ class Provenance:
 
     def to_json(self) -> dict:
         missing = self.missing()
-        return {"settings_hash": self.settings_hash, "rows_per_settings_hash": dict(self.settings_counts),
+        return {"made_by": self.made_by, "settings_hash": self.settings_hash, "rows_per_settings_hash": dict(self.settings_counts),
                 "checked_against_manifest": bool(self.num_shards),
                 "shards_published": self.shards_published, "num_shards": self.run_shards,
                 "missing_ids": len(missing), "missing_examples": missing[:3]}

@@ -291,7 +291,8 @@ class AuditReport:
                if any(s.counts[f] for f in PROVENANCE) else ""),
             *([self.on_policy_line()] if s.on_policy["checked"] else []),
             *([self.agentic_line()] if s.agentic["rows"] else []),
-            f"report: {self.files.report_html}",
+            f"report: {self.files.report_html}"
+            + (f" (rows of run {self.provenance['made_by']})" if self.provenance.get("made_by") else ""),
         ]
 
     def partial_note(self) -> str:

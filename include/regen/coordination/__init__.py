@@ -24,9 +24,10 @@ lock file                             holder                                 sco
 ``STAGING/.NAME.lock``                the process staging one model copy     the copy and its check        free; the half copy is a hidden temp      the next staging removes it
 ``work/servers/approval.json``        a run waiting for a person's approval  from its canary to the first  (no process: a deadline, 24 h) the        the first shard, the
 (not a lock: a hold with a deadline)  (written by the canary)                shard or the teardown         servers idle out after it                 teardown
-``work/owner.json``                   the DAG run that holds the output      from its preflight to its     taken over once nothing of it lives (no   its teardown; else the
-(not a lock: a claim)                 (written by its preflight)             teardown                      lease, approval or server of its run)     next run's preflight
-                                                                                                           and its claim is 30 min old
+``work/owner.json``                   the DAG run that holds the output      from its preflight to its     taken over once Airflow says its run      its teardown; else the
+(a claim, written under               (written by its preflight, renewed     teardown                      ended (or, with no one to ask, nothing    next run's preflight
+``work/owner.lock``; on a bucket      by every stage while it works)                                       of it lives and it has not renewed for
+also ``URL/_regen/owners/``)                                                                               30 min); every write checks it first
 ``URL/_regen/fences/SHARD/fNNNNNN``   an attempt at a shard whose output is  from its claim to its last     nothing to free: a later attempt's fence  the publish (parts and
 (object-store output: not a lock, a   on an object store (regen.parts);      seal; the highest fence is    outranks it, its later parts and commits  commits go; fences stay)
 fence: create-only, never released)   the local shard lock above still       the only one whose new        never count, it stops at its next seal
@@ -46,10 +47,11 @@ it stops a node's servers when no lease has been live (and no approval pending) 
 from regen.coordination.leases import (Lease, abandoned, approval_pending, end_approval_hold, hold_for_approval,
                                       live_leases)
 from regen.coordination.locks import FileLock, LockHeld, is_locked
-from regen.coordination.owner import OutputHeld, claim_output, release_output
+from regen.coordination.owner import OutputHeld, OutputLost, check_held, claim_output, holding_output, release_output
 from regen.coordination.shares import FairShare, water_fill
 from regen.coordination.slots import SlotPool, request_slots, shard_claims
 
-__all__ = ["FairShare", "FileLock", "Lease", "LockHeld", "OutputHeld", "SlotPool", "abandoned", "approval_pending",
-           "claim_output", "end_approval_hold", "hold_for_approval", "is_locked", "live_leases", "release_output",
-           "request_slots", "shard_claims", "water_fill"]
+__all__ = ["FairShare", "FileLock", "Lease", "LockHeld", "OutputHeld", "OutputLost", "SlotPool", "abandoned",
+           "approval_pending", "check_held", "claim_output", "end_approval_hold", "hold_for_approval",
+           "holding_output", "is_locked", "live_leases", "release_output", "request_slots", "shard_claims",
+           "water_fill"]

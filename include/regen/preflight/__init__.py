@@ -88,11 +88,13 @@ def live_runs(cfg: RunConfig) -> set[str]:
 
 def preflight(cfg: RunConfig, code: bool = True, run_id: str = "cli",
           max_map_length: int | None = None, dag_nodes: list[str] | None = None,
-          dag_queue: str | None = None) -> PreflightResult:
+          dag_queue: str | None = None, ended_runs: list[str] | None = None) -> PreflightResult:
     """The preflight stage: every check, here, with this interpreter; PreflightFailed listing
     every problem, else the run manifest written (the prompt index) and the shards to map over.
     ``max_map_length``: the deployment's limit on mapped tasks (the DAG passes Airflow's);
-    ``dag_nodes`` and ``dag_queue``: the listed node names and the run's queue the DAG was built with."""
+    ``dag_nodes`` and ``dag_queue``: the listed node names and the run's queue the DAG was built with;
+    ``ended_runs``: with a DAG, the runs Airflow says have ended (only those are taken over; None:
+    no one to ask, a holder with no sign of life for 30 min is)."""
     from regen.manifest import Manifest
     from regen.servers.gpus import fleet_size
 
@@ -105,9 +107,9 @@ def preflight(cfg: RunConfig, code: bool = True, run_id: str = "cli",
         from regen.coordination import OutputHeld, claim_output
 
         try:
-            claim_output(cfg.layout, run_id, live_runs(cfg))
+            claim_output(cfg.layout, run_id, live_runs(cfg), ended_runs)
         except OutputHeld as exc:
-            raise PreflightFailed([str(exc)]) from None
+            raise PreflightFailed([str(exc)], held_by=exc.holder) from None
     from regen.generate import shards_to_run  # only now: the code it is in has just been checked
     manifest = Manifest(cfg.layout)
     manifest.write_prompts(cfg, report.info["_index"], run_id)

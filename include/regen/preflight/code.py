@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from regen.paths import DAGS_DIR, PACKAGE_DIR
+from regen.procs import private_dir
 from regen.stages import entry_modules
 
 # Runs in the target interpreter: compiles each file, prints one JSON problem per failure.
@@ -50,9 +51,11 @@ def check_code(python: str = sys.executable, files: list[Path] | None = None,
     every module of the stage registry and every program regen starts)."""
     files = files if files is not None else code_files()
     entry_points = entry_points if entry_points is not None else entry_modules()
+    # In the node user's private folder: a ``-c`` script imports from its working folder first.
     try:
+        cwd = private_dir()
         out = subprocess.run([python, "-c", _COMPILE_SCRIPT, *map(str, files)], capture_output=True,
-                             text=True, timeout=120)
+                             text=True, timeout=120, cwd=cwd)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return [f"{python}: cannot run the interpreter: {exc}"]
     problems = []
@@ -68,7 +71,7 @@ def check_code(python: str = sys.executable, files: list[Path] | None = None,
     # Every entry point in one fresh interpreter, each in its own try: one start-up, and a broken
     # module is named without hiding the others.
     out = subprocess.run([python, "-c", _IMPORT_SCRIPT, *entry_points], capture_output=True,
-                         text=True, timeout=300, env=env)
+                         text=True, timeout=300, env=env, cwd=cwd)
     for line in out.stdout.splitlines():
         item = json.loads(line)
         problems.append(f"import {item['module']} fails in {python}: {item['error']}")

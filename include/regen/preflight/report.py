@@ -8,16 +8,19 @@ from regen.errors import RegenError
 
 
 class PreflightFailed(RegenError):
-    def __init__(self, problems: list[str]):
-        self.problems = problems
+    """``held_by``: the run holding the output, when that is what failed (the DAG asks Airflow
+    whether it has ended)."""
+
+    def __init__(self, problems: list[str], held_by: str | None = None):
+        self.problems, self.held_by = problems, held_by
         super().__init__(f"preflight found {len(problems)} problem(s):\n" + "\n".join(problems))
 
     def detail(self) -> dict:
-        return {"problems": self.problems}
+        return {"problems": self.problems, "held_by": self.held_by}
 
     @classmethod
     def from_detail(cls, message: str, detail: dict) -> "PreflightFailed":
-        return cls(list(detail.get("problems") or [message]))
+        return cls(list(detail.get("problems") or [message]), detail.get("held_by"))
 
 
 @dataclass

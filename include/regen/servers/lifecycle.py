@@ -129,7 +129,7 @@ def relaunch(layout: RunLayout, index: int) -> ServerRecord | None:
         adapter = engine(record.engine)
         proc = procs.spawn(adapter.server_argv(record.launch or []), Path(record.log_path),
                            server_env(record.gpu, record.env, adapter.key_env(record.api_key or "")),
-                           layout.servers, record.api_key)
+                           record.api_key)
         record.pid, record.start_ticks = proc.pid, procs.start_ticks(proc.pid)
         write_state(layout, records)
         log.info("server %d relaunched: pid %d, port %d", index, proc.pid, record.port)
@@ -143,12 +143,12 @@ def ensure_watchdog(layout: RunLayout, idle_shutdown_s: float | None) -> None:
         if current.get("idle_shutdown_s") == idle_shutdown_s:
             return
         procs.stop_sessions([(current["pid"], current.get("start_ticks"), "watchdog")], grace_s=5)
-    argv = [sys.executable, "-m", "regen.servers.watchdog", "--output", str(layout.root)]
+    argv = [*procs.own_python("regen.servers.watchdog"), "--output", str(layout.root)]
     if layout.node:
         argv += ["--node", layout.node]
     if idle_shutdown_s:
         argv += ["--idle-shutdown-s", str(idle_shutdown_s)]
-    proc = procs.spawn(argv, layout.watchdog_log, dict(os.environ), layout.servers)
+    proc = procs.spawn(argv, layout.watchdog_log, dict(os.environ))
     atomic_write_json(watchdog_file(layout), {"pid": proc.pid, "start_ticks": procs.start_ticks(proc.pid),
                                               "idle_shutdown_s": idle_shutdown_s}, private=True)
 
@@ -174,7 +174,7 @@ def _launch(cfg: RunConfig, layout: RunLayout, model_path: str, fingerprint: str
             log_path = layout.server_log(index)
             env = adapter.launch_env(gpu)
             proc = procs.spawn(adapter.server_argv(launch), log_path, server_env(gpu, env, adapter.key_env(api_key)),
-                               layout.servers, api_key)
+                               api_key)
             record = ServerRecord(index, gpu, cfg.servers.host, port, proc.pid, str(log_path), api_key,
                                   procs.start_ticks(proc.pid), node_name(), run_id, launch, model_path,
                                   fingerprint, env=env or None, engine=cfg.engine)

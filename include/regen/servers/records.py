@@ -101,21 +101,10 @@ def read_state(layout: RunLayout) -> list[ServerRecord]:
     return records
 
 
-class KeyDirError(RegenError):
-    """The folder that holds the servers' keys is not this user's alone."""
-
-
 def key_file(layout: RunLayout) -> Path:
     """Where the servers' API keys of an output directory are kept: outside it (an output is
-    shared, copied and archived), in an owner-only folder of the node's user. A folder that
-    already exists must be that too: regen refuses to put keys where others can read them."""
-    root = Path(os.environ.get("REGEN_KEY_DIR") or Path.home() / ".cache" / "regen" / "keys")
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    st = root.lstat()
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise KeyDirError(f"key folder {root}: must be a directory of this user's alone (it is "
-                          f"{'a symlink' if stat.S_ISLNK(st.st_mode) else oct(st.st_mode & 0o777)}, owner uid "
-                          f"{st.st_uid}); `chmod 700 {root}` or set REGEN_KEY_DIR to one")
+    shared, copied and archived), in the node user's private folder (regen.procs.private_dir)."""
+    root = procs.private_dir()
     name = str(layout.root.resolve()) + (f"#{layout.node}" if layout.node else "")
     return root / (hashlib.sha256(name.encode()).hexdigest()[:24] + ".json")
 
