@@ -309,7 +309,8 @@ def _readable(path: Path) -> bool:
 def test_keys_are_never_put_where_others_can_read_them(tmp_path, monkeypatch):
     """An existing key folder that others may read (or a symlink planted in its place) is refused,
     naming the folder and the fix; nothing is written there."""
-    from regen.servers.records import KeyDirError, key_file
+    from regen.procs import KeyDirError
+    from regen.servers.records import key_file
 
     shared = tmp_path / "keys"
     shared.mkdir(mode=0o755)
@@ -330,8 +331,9 @@ def test_keys_are_never_put_where_others_can_read_them(tmp_path, monkeypatch):
 
 def test_the_output_folder_is_data_never_commands(make_config, tmp_path):
     """Anyone who can write the dataset's share can edit what regen records there. A record
-    added or changed after regen wrote it, and a watchdog file planted in the output, are ignored:
-    nothing is executed, no process of theirs is signalled, no file they name is opened."""
+    added or changed after regen wrote it, and a watchdog file planted in the output, change
+    nothing: this node's records are regen's private copy; nothing is executed, no process of
+    theirs is signalled, no file they name is opened."""
     import json
 
     from regen import procs
@@ -355,8 +357,9 @@ def test_the_output_folder_is_data_never_commands(make_config, tmp_path):
         dead = {**planted, "index": 8, "pid": gone.pid, "start_ticks": None}  # a dead server: relaunched, if trusted
         edited = {**doc["servers"][0], "launch": ["/bin/sh", "-c", f"touch {marker}"]}
         layout.servers_state.write_text(json.dumps({"servers": [edited, planted, dead]}))
-        assert read_state(layout) == []  # none is one regen sealed
-        assert relaunch(layout, 7) is None and relaunch(layout, 8) is None and relaunch(layout, 0) is None
+        assert [(r.pid, r.launch) for r in read_state(layout)] == [(records[0].pid, records[0].launch)]
+        assert relaunch(layout, 7) is None and relaunch(layout, 8) is None
+        assert relaunch(layout, 0).pid == records[0].pid  # the one regen started, running: nothing launched
         (layout.servers / "watchdog.json").write_text(json.dumps(
             {"pid": bystander.pid, "start_ticks": procs.start_ticks(bystander.pid), "idle_shutdown_s": 1}))
         ensure_watchdog(layout, 30)

@@ -108,12 +108,39 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_json(path: Path) -> Any:
-    """The JSON document at ``path``; None when it is missing or not (yet) whole."""
+# regen's own JSON files are kilobytes; one past this is not one of them (a link to /dev/zero, a sparse file).
+MAX_JSON_BYTES = 64 << 20
+
+
+def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """The JSON document at ``path``; None when it is missing, not (yet) whole, not a regular
+    file or over ``max_bytes``: files in an output or a model folder are anyone's to replace,
+    and a reader must not hang on a FIFO or fill its memory from a device."""
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(read_bounded(path, max_bytes))
     except (OSError, ValueError):
         return None
+
+
+def read_bounded(path: Path | str, max_bytes: int) -> bytes:
+    """The bytes of the regular file ``path``; ValueError naming it when it is larger than
+    ``max_bytes`` or not a regular file (a FIFO, a device), without reading more than that."""
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        if st.st_size > max_bytes:
+            raise ValueError(f"{path}: {st.st_size:,} bytes, more than the {max_bytes:,} it may hold")
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            data = fh.read(max_bytes + 1)
+        if len(data) > max_bytes:
+            raise ValueError(f"{path}: more than the {max_bytes:,} bytes it may hold")
+        return data
+    finally:
+        os.close(fd)
 
 
 def read_in_folder(root: Path, path: Path, max_bytes: int, tail: bool = False) -> bytes:

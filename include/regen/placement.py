@@ -48,7 +48,7 @@ class NoNodeAnswers(RegenError):
 
 def node_answers(node_cfg: RunConfig) -> bool:
     """At least one of the node's recorded servers answers /health."""
-    return any(is_healthy(r.url, timeout=3.0) for r in read_state(node_cfg.layout) if r.url)
+    return any(is_healthy(r.url, timeout=3.0) for r in read_state(node_cfg.layout, node_cfg.servers.api_key) if r.url)
 
 
 def can_take_shards(cfg: RunConfig, spec: NodeSpec) -> bool:
@@ -95,7 +95,7 @@ def servers_for(cfg: RunConfig, run_id: str | None) -> list[ServerRecord]:
     another machine). The run's own node's: with ``run_id`` (a DAG task) brought up here if they
     are gone, else as recorded."""
     if not cfg.this_node().is_run_node:
-        records = read_state(cfg.layout)
+        records = read_state(cfg.layout, cfg.servers.api_key)
         if not records:
             raise lifecycle.ServerError(f"node {cfg.node} has no servers recorded in {cfg.layout.servers}: "
                                         f"clear {cfg.this_node().task_id('start_servers')}")

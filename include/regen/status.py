@@ -54,7 +54,7 @@ def node_view(cfg: RunConfig, progress: dict) -> list[dict[str, Any]]:
         view.append({
             "node": spec.name,
             "reached_by": spec.reached_by(node_cfg.ssh_conn_id),
-            "servers": [{"url": r.url, "gpu": r.gpu, "pid": r.pid} for r in read_state(node_cfg.layout)],
+            "servers": [{"url": r.url, "gpu": r.gpu, "pid": r.pid} for r in read_state(node_cfg.layout, node_cfg.servers.api_key)],
             "shards_done": sum(s.get("state") == "done" for s in mine.values()),
             "shards_running": len(running),
             "rows": sum(s.get("done", 0) for s in mine.values()),

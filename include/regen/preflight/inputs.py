@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 from regen.config import RunConfig
+from regen.files import MAX_JSON_BYTES, read_bounded
 from regen.modelconfig import context_length
 from regen.preflight.report import PreflightReport
 from regen.preflight.template import CUT_SAMPLE, TEMPLATE_MEMORY_BYTES, TEMPLATE_SECONDS
@@ -20,7 +21,7 @@ def check_prompts(cfg: RunConfig, report: PreflightReport, max_listed: int = 20)
     """Every record readable, every id once, every conversation one SpecForge's validator takes
     (or, with skip_invalid, those it refuses listed in the skipped file, never sent); the prompt
     index of the run manifest on the way."""
-    from regen.files import atomic_write_text
+    from regen.files import MAX_JSON_BYTES, atomic_write_text, read_bounded
     from regen.manifest import PromptIndexWriter
     from regen.prompts import PromptError, read_prompts
 
@@ -125,7 +126,7 @@ def check_model(cfg: RunConfig, report: PreflightReport) -> None:
         report.problems.append(f"model_path {model}: no config.json (not a model directory)")
         return
     try:
-        model_cfg = json.loads((model / "config.json").read_text())
+        model_cfg = json.loads(read_bounded(model / "config.json", MAX_JSON_BYTES))
     except (OSError, ValueError) as exc:
         report.problems.append(f"model_path {model}/config.json: unreadable: {exc}")
         return

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from regen.files import MAX_JSON_BYTES, read_bounded
 from regen.modelconfig import context_length, text_config
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -110,7 +111,7 @@ class ModelShape:
         class's defaults; a config it could not load, or a folder without weights, is refused
         (ValueError naming what is missing) rather than planned on zeros."""
         model_dir = Path(model_dir)
-        config = json.loads((model_dir / "config.json").read_text())
+        config = json.loads(read_bounded(model_dir / "config.json", MAX_JSON_BYTES))
         text, vision = text_config(config), config.get("vision_config") or {}
         layers = int(text["num_hidden_layers"])
         kinds = text.get("layer_types")
@@ -170,7 +171,7 @@ def weight_bytes(model_dir: Path) -> int:
     folder with neither is refused (a plan on 0 GiB of weights promised three times the requests)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        total = (json.loads(index.read_text()).get("metadata") or {}).get("total_size")
+        total = (json.loads(read_bounded(index, MAX_JSON_BYTES)).get("metadata") or {}).get("total_size")
         if isinstance(total, int) and total > 0:
             return total
     files = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))

@@ -6,25 +6,27 @@ replaced by a placeholder) and the model it serves. The keys are kept outside th
 directory (an output is shared, copied and archived), in an owner-only folder of the node's user.
 
 The output is data, never commands: anyone who can write the dataset's share could edit
-``servers.json``, so each record of this node is sealed by its digest in that private folder,
-and a record whose seal does not match (planted, or edited since) is ignored: never relaunched,
-signalled or opened. The watchdog's own state lives there too, never in the output.
+``servers.json``. So this node's records are read from their copy in that private folder, never
+from the output (a deleted or edited ``servers.json`` orphans nothing: the watchdog, the teardown
+and ``serve --stop`` still see every server), and a record of another node counts only with its
+MAC, keyed by the servers' API key, which no writer of the share holds: a forged record is never
+opened, and the key is never sent to where it points. The watchdog's own state lives in the
+private folder too.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
-import os
-import stat
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Sequence
 
 from regen import procs
 from regen.errors import RegenError
-from regen.files import atomic_write_json
+from regen.files import atomic_write_json, read_json
 from regen.layout import RunLayout
 from regen.machine import node_name
 
@@ -73,31 +75,40 @@ class ServerRecord:
                 "model": self.served_model, "model_fingerprint": self.model_fingerprint}
 
 
-def _seal(item: dict) -> str:
-    return hashlib.sha256(json.dumps(item, sort_keys=True, default=str).encode()).hexdigest()
+def _mac(item: dict, api_key: str) -> str:
+    """The record's MAC under the servers' key: only a holder of the key can write a record
+    another node will send that key to."""
+    body = json.dumps({k: v for k, v in item.items() if k != "mac"}, sort_keys=True, default=str).encode()
+    return hmac.new(hashlib.sha256(b"regen server record\0" + api_key.encode()).digest(), body, "sha256").hexdigest()
 
 
-def read_state(layout: RunLayout) -> list[ServerRecord]:
-    """The recorded servers; none once the last stop removed the record (even while we read).
-    A record of this node whose seal does not match is left out, with a warning."""
-    try:
-        servers = json.loads(layout.servers_state.read_text())["servers"]
-    except FileNotFoundError:
-        return []
+# The size past which a servers.json is not a record regen wrote (64 servers hold a few KB).
+MAX_STATE_BYTES = 1 << 20
+
+
+def read_state(layout: RunLayout, api_key: str | None = None) -> list[ServerRecord]:
+    """The recorded servers; none once the last stop removed them. This node's from the private
+    copy; another node's from the output's ``servers.json``, each only with a valid MAC under the
+    key it would be sent (``api_key``, the run's configured one; else the one this node's private
+    folder holds for it, when the nodes share that folder), else left out with a warning."""
     known = {f.name for f in fields(ServerRecord)}
-    try:
-        private = json.loads(key_file(layout).read_text())
-    except FileNotFoundError:
-        private = {}
-    keys, seals = private.get("keys", {}), private.get("seals", {})
-    records = []
-    for item in servers:
-        record = ServerRecord(**{k: v for k, v in item.items() if k in known} | {"api_key": keys.get(str(item["index"]))})
-        if record.is_here() and seals.get(str(record.index)) != _seal(item):
-            log.warning("server record %s in %s was not written by regen on this node (or was changed since): "
-                        "ignored, nothing of it is run, signalled or opened", item.get("index"), layout.servers_state)
+    private = read_json(key_file(layout), max_bytes=MAX_STATE_BYTES)
+    private = private if isinstance(private, dict) else {}
+    keys = private.get("keys", {})
+    records = [ServerRecord(**{k: v for k, v in item.items() if k in known} | {"api_key": keys.get(str(item["index"]))})
+               for item in private.get("records", [])]
+    records = [r for r in records if r.is_here()]
+    shared = read_json(layout.servers_state, max_bytes=MAX_STATE_BYTES)
+    for item in shared.get("servers", []) if isinstance(shared, dict) else []:
+        if not isinstance(item, dict) or not item.get("node") or item.get("node") == node_name():
             continue
-        records.append(record)
+        key = api_key or keys.get(str(item.get("index")))
+        if not key or not hmac.compare_digest(str(item.get("mac", "")), _mac(item, key)):
+            log.warning("server record %s of node %s in %s has no valid MAC under the run's key (planted, or "
+                        "changed since): ignored, nothing is sent to it", item.get("index"), item.get("node"),
+                        layout.servers_state)
+            continue
+        records.append(ServerRecord(**{k: v for k, v in item.items() if k in known} | {"api_key": key}))
     return records
 
 
@@ -110,16 +121,17 @@ def key_file(layout: RunLayout) -> Path:
 
 
 def write_state(layout: RunLayout, records: Sequence[ServerRecord]) -> None:
-    """servers.json without the keys; the keys in :func:`key_file`."""
+    """The records and their keys in :func:`key_file` (what this node acts on); servers.json,
+    without the keys and each with its MAC, for the other nodes and for people."""
     path, keys = layout.servers_state, key_file(layout)
     if not records:
         path.unlink(missing_ok=True)
         keys.unlink(missing_ok=True)
         return
     items = [{**asdict(r), "api_key": None} for r in records]
-    atomic_write_json(keys, {"keys": {str(r.index): r.api_key for r in records},
-                             "seals": {str(r.index): _seal(item) for r, item in zip(records, items)}}, private=True)
-    atomic_write_json(path, {"servers": items}, private=True)
+    atomic_write_json(keys, {"keys": {str(r.index): r.api_key for r in records}, "records": items}, private=True)
+    atomic_write_json(path, {"servers": [{**item, "mac": _mac(item, r.api_key)} if r.api_key else item
+                                         for r, item in zip(records, items)]}, private=True)
 
 
 def watchdog_file(layout: RunLayout) -> Path:
