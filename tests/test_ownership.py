@@ -68,7 +68,7 @@ def test_on_a_bucket_two_nodes_with_their_own_work_folders_see_one_owner(scheme,
         claim_output(b, "dag/b", set(), ended_runs=[])
     owner.release_output(a, "dag/a")
     claim_output(b, "dag/b", set(), ended_runs=[])
-    with pytest.raises(OutputLost, match="dag/b holds it on the bucket"):
+    with pytest.raises(OutputLost, match="held by run dag/b"):
         with holding_output(a, "dag/a"):
             pass
 

@@ -143,17 +143,20 @@ def check_held(layout: RunLayout) -> None:
         return
     holder = (read_json(layout.owner) or {}).get("run_id")
     _checked[key] = seen
-    if holder != run_id or key in _lost:
+    if holder not in (None, run_id) or key in _lost:  # none: released by a teardown, renewed again below
         why = _lost.get(str(layout.root)) or f"run {holder or 'none'} holds it now"
         raise OutputLost(f"output {layout.dataset or layout.root}: {why}, not this run ({run_id}); nothing more "
                          f"of this run is written there")
 
 
 def _renew(layout: RunLayout, run_id: str) -> None:
+    """The claim's sign of life; the claim again when no one holds it (a shard cleared after its
+    run's teardown released the output)."""
     with FileLock(layout.work / "owner.lock", note=run_id):
         current = read_json(layout.owner) or {}
-        if current.get("run_id") == run_id:
-            atomic_write_json(layout.owner, {**current, "renewed": time.time()})
+        if current.get("run_id") in (None, run_id):
+            atomic_write_json(layout.owner, {"run_id": run_id, "since": current.get("since") or time.time(),
+                                             "renewed": time.time()})
     if layout.dataset and not _mark_bucket(layout, run_id):
         _lost[str(layout.root)] = f"run {_bucket_claims(layout)[1].get('run_id')} holds it on the bucket now"
 
@@ -168,13 +171,19 @@ def _renew_until(stop: threading.Event, layout: RunLayout, run_id: str) -> None:
 
 @contextlib.contextmanager
 def holding_output(layout: RunLayout, run_id: str) -> Iterator[None]:
-    """A stage of ``run_id`` working on the output: OutputLost at once if its claim is gone, the
-    claim renewed every ``RENEW_EVERY_S`` while the stage works (a busy stage stays alive), and
+    """A stage of ``run_id`` working on the output: OutputLost at once if another run holds it
+    (claimed again when no one does), the claim renewed every ``RENEW_EVERY_S`` while the stage works (a busy stage stays alive), and
     checked before every write (:func:`check_held`)."""
     key = str(layout.root)
     _held[key] = run_id
     _lost.pop(key, None)
     try:
+        layout.work.mkdir(parents=True, exist_ok=True)
+        if layout.dataset:  # the bucket's claim taken again when released, never from another run
+            try:
+                claim_output(layout, run_id, (), ended_runs=[])
+            except OutputHeld as exc:
+                raise OutputLost(str(exc), exc.holder) from None
         _renew(layout, run_id)
         check_held(layout)
         stop = threading.Event()
