@@ -1,13 +1,19 @@
 """What regen acts on comes only from regen: the code its children run (never a ``regen.py``
 planted where they work), the servers' records (sealed on every node that reads them, the
-watchdog's own copy when the output's is lost)."""
+watchdog's own copy when the output's is lost), and what the servers are handed."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
 
 import pytest
 
 from regen.layout import RunLayout
 from regen.servers.lifecycle import launch_servers, stop_records
+from support.processes import wait_until
 
 
 def test_no_child_regen_starts_imports_a_regen_py_planted_where_it_works(make_config, tmp_path, monkeypatch):
@@ -27,11 +33,15 @@ def test_no_child_regen_starts_imports_a_regen_py_planted_where_it_works(make_co
     shared_tmp.mkdir()
     (shared_tmp / "regen.py").write_text(plant)
     monkeypatch.chdir(shared_tmp)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "cloud-secret-" + "s" * 20)
+    monkeypatch.setenv("AIRFLOW_CONN_WAREHOUSE", "postgres://u:db-password@db/x")
     assert check_code() == []
     assert call_bounded("regen.childpool:_nothing", (), 60, 2 << 30) is None
     records = launch_servers(cfg, cfg.model_path, run_id="dag/run")  # a key: through its log relay
     try:
         assert records[0].api_key and records[0].running()
+        environ = Path(f"/proc/{records[0].pid}/environ").read_bytes()
+        assert b"cloud-secret-" not in environ and b"db-password" not in environ  # a server gets what it needs
     finally:
         stop_records(records, grace_s=5)
     assert not marker.exists()
@@ -41,7 +51,6 @@ def test_a_lost_or_edited_servers_json_orphans_no_server(make_config):
     """servers.json changed by one byte, then deleted: the teardown still stops every server, and
     a watchdog whose servers go idle still stops them (its records are its own private copy)."""
     from regen.servers.lifecycle import stop_recorded
-    from support.processes import wait_until
 
     cfg = make_config(num_servers=1, idle_shutdown_s=1)
     layout = RunLayout(cfg.output)
@@ -103,3 +112,39 @@ def test_a_record_of_another_node_counts_only_with_its_mac_under_the_runs_key(ma
     finally:
         listener.shutdown()
         stop_records(records, grace_s=5)
+
+
+def test_a_retry_reattaches_only_to_the_job_regen_started_never_to_a_decoy(tmp_path):
+    """The node's launch script, run by a shell as SSH runs it: while the job lives a second
+    launch attaches to it; once it died without an exit file, a decoy at its recorded PID whose
+    command line names the job is not it, and a new job starts."""
+    import signal
+    import subprocess
+
+    from regen.remote import launch_script
+
+    folder = tmp_path / "jobs" / "0123456789abcdef01234567"
+    script = launch_script(str(folder), ["sleep", "60"], str(tmp_path / "config.json"), "result-marker")
+
+    def launch() -> str:
+        return subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=30).stdout.strip()
+
+    assert launch() == "launched"
+    job = int((folder / "pid").read_text())
+    decoy = None
+    try:
+        assert launch() == "attached" and int((folder / "pid").read_text()) == job
+        os.killpg(job, signal.SIGKILL)  # stopped without its exit file, as a SIGTERM'd stop can leave it
+        wait_until(lambda: not Path(f"/proc/{job}").exists() or "Z" in Path(f"/proc/{job}/stat").read_text().split(")")[1][:3],
+                   timeout=10)
+        decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(folder)], start_new_session=True)
+        (folder / "pid").write_text(f"{decoy.pid}\n")
+        wait_until(lambda: folder.name in Path(f"/proc/{decoy.pid}/cmdline").read_text(), timeout=10)  # the old test
+        assert launch() == "launched" and int((folder / "pid").read_text()) != decoy.pid
+    finally:
+        for pid in {job, int((folder / "pid").read_text())}:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        if decoy:
+            decoy.kill()
+            decoy.wait()

@@ -134,7 +134,8 @@ def test_a_trigger_only_user_cannot_choose_what_runs_and_never_sees_the_key(airf
     and trigger DAGs: each conf that names a program or reaches past the deployment fails at
     preflight, naming the field, and the program never runs; a plain run succeeds; the key is in
     no REST answer about the DAG, its runs or their logs, nor in an import error; a key typed into a
-conf is refused and replaced in the stored conf. About 2 min."""
+conf (any spelling, or inside another field) is refused and never stored, not even while the run
+is queued. About 2 min."""
     script, marker = payload
     key = "regen-deploy-key-" + "x7" * 16
     typed = "typed-into-a-conf-" + "q9" * 16
@@ -142,7 +143,7 @@ conf is refused and replaced in the stored conf. About 2 min."""
     cfg = make_config(output=str(root / "chat"), api_key=key, num_shards=1, sim_tokens_per_second=4000)
     deploy(cfg, airflow["config_dir"])
     broken = airflow["config_dir"] / "broken_keyed.yaml"
-    broken.write_text(f"api_key: {key}\nmax_tokens: -5\n")
+    broken.write_text(f"api_key: {key}\nmax_tokens: -5\nextra_server_args: '--api-key {key}'\n")
     user = httpx.Client(base_url=f"{airflow['base']}/api/v2", timeout=30,
                         headers={"Authorization": f"Bearer {airflow['trigger_token']}"})
     admin = httpx.Client(base_url=f"{airflow['base']}/api/v2", timeout=30,
@@ -157,7 +158,8 @@ conf is refused and replaced in the stored conf. About 2 min."""
             "ssh_conn_id": {"ssh_conn_id": "no_such_node"},
             "extra_server_args": {"engine": "vllm", "extra_server_args": ["--tool-parser-plugin", str(script)]},
             "output": {"output": str(tmp_path / "outside")},
-            "api_key": {"api_key": typed},  # typed into the conf: refused, and not kept in Airflow's store
+            # typed into the conf (under other spellings too, and inside another field): refused, never stored
+            "api_key": {"api_key": typed, "API_KEY": typed, "extra_server_args": ["--api-key", typed]},
         }
         runs = {}
         for field, change in [*attempts.items(), ("none", {})]:
@@ -165,6 +167,8 @@ conf is refused and replaced in the stored conf. About 2 min."""
                                 json={"logical_date": None, "conf": {**_conf(cfg), **change}})
             assert created.status_code == 200, created.text  # the trigger itself is theirs to make
             runs[field] = created.json()["dag_run_id"]
+            queued = user.get(f"/dags/regenerate_dataset/dagRuns/{runs[field]}")  # before it starts
+            assert typed not in created.text and typed not in queued.text
         path = "/dags/regenerate_dataset/dagRuns"
         for field, run_id in runs.items():
             state = wait_run(admin, run_id, 300)
@@ -246,9 +250,18 @@ def test_a_conf_of_megabytes_is_refused_whole_and_not_echoed(deployment):
     assert "more than the 262,144 a run's conf may hold" in str(err.value) and len(str(err.value)) < 200
 
 
-def test_the_conf_scrub_replaces_only_a_key_that_is_there():
-    from regen.dags.conf_scrub import REDACTED, scrubbed
+def test_the_conf_scrub_replaces_every_spelling_of_a_key_and_only_a_key_that_is_there():
+    from regen.dags.conf_scrub import scrubbed_conf
+    from regen.secrets import REDACTED
 
-    assert scrubbed({"api_key": "sk-" + "z" * 40, "max_tokens": 5}) == {"api_key": REDACTED, "max_tokens": 5}
-    assert scrubbed({"api_key": None, "max_tokens": 5}) is None  # `regen config --json` prints it empty
-    assert scrubbed({"api_key": REDACTED}) is None and scrubbed(None) is None
+    key = "sk-" + "z" * 40
+    assert scrubbed_conf({"api_key": key, "max_tokens": 5}) == {"api_key": REDACTED, "max_tokens": 5}
+    for name in ("API_KEY", "apikey", "apiKey", "api-key", "token"):
+        assert scrubbed_conf({name: key}) == {name: REDACTED}
+    assert scrubbed_conf({"servers": {"api_key": key}}) == {"servers": {"api_key": REDACTED}}
+    assert scrubbed_conf({"extra_server_args": ["--api-key", key, "--tp", "2"]}) == {
+        "extra_server_args": ["--api-key", REDACTED, "--tp", "2"]}
+    assert scrubbed_conf({"extra_server_args": f"--tp 2 --api-key={key}"}) == {
+        "extra_server_args": f"--tp 2 --api-key={REDACTED}"}
+    assert scrubbed_conf({"api_key": None, "max_tokens": 5}) is None  # `regen config --json` prints it empty
+    assert scrubbed_conf({"api_key": REDACTED}) is None and scrubbed_conf(None) is None

@@ -149,19 +149,29 @@ def job_id(name: str, kwargs: dict, content: str) -> str:
     return hashlib.sha256("\0".join([name, json.dumps(kwargs, sort_keys=True), content]).encode()).hexdigest()[:24]
 
 
+def _ours(d: str) -> str:
+    """Shell test: the process in ``d``/pid is the job regen started there: its start time (field
+    22 of /proc/PID/stat) is the one recorded at launch, and its environment holds the launch's
+    nonce. A process that only names the job (a reused PID, a decoy) is not."""
+    return (f"P=$(cat {d}/pid 2>/dev/null) && [ -n \"$P\" ] && "
+            f"[ \"$(cut -d' ' -f22 /proc/$P/stat 2>/dev/null)\" = \"$(cat {d}/start 2>/dev/null)\" ] && "
+            f"tr '\\0' '\\n' < /proc/$P/environ 2>/dev/null | grep -qxF \"REGEN_JOB_NONCE=$(cat {d}/nonce)\"")
+
+
 def launch_script(folder: str, argv: list[str], config_path: str, result_marker: str) -> str:
     """Start ``argv`` detached on the node (its own session, no terminal: a dropped link does not
     hang up on it), with its output in ``folder``/log and its exit status in ``folder``/exit; or,
-    if the job already runs there (a cmdline that names its folder), only say so."""
-    d, job = shlex.quote(folder), shlex.quote(folder.rsplit("/", 1)[1])
+    if the job regen started there still runs (:func:`_ours`), only say so."""
+    d = shlex.quote(folder)
     wrapped = shlex.quote(f"{shlex.join(argv)}; echo $? > {folder}/exit.part && mv {folder}/exit.part {folder}/exit")
-    return (f"umask 077; P=$(cat {d}/pid 2>/dev/null); "
-            f"if [ -n \"$P\" ] && [ ! -e {d}/exit ] && grep -qF {job} /proc/$P/cmdline 2>/dev/null; then "
+    return (f"umask 077; "
+            f"if [ ! -e {d}/exit ] && {_ours(d)}; then "
             f"rm -f {shlex.quote(config_path)}; echo attached; exit 0; fi; "
             f"rm -rf {d} && mkdir -p {d} && printf %s {shlex.quote(result_marker)} > {d}/marker || exit 1; "
+            f"N=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \\n') && printf %s \"$N\" > {d}/nonce || exit 1; "
             # a simple command put in the background: $! is the new session's leader, its group's id
-            f"PYTHONUNBUFFERED=1 setsid nohup sh -c {wrapped} > {d}/log 2>&1 < /dev/null & "
-            f"echo $! > {d}/pid; echo launched")
+            f"REGEN_JOB_NONCE=$N PYTHONUNBUFFERED=1 setsid nohup sh -c {wrapped} > {d}/log 2>&1 < /dev/null & "
+            f"echo $! > {d}/pid; cut -d' ' -f22 /proc/$!/stat > {d}/start; echo launched")
 
 
 def follow_script(folder: str, offset: int, marker: str) -> str:
@@ -181,7 +191,7 @@ def stop_job(conn_id: str, folder: str) -> None:
     d = shlex.quote(folder)
     try:
         with connected(conn_id, timeout_s=10, attempts=1) as client:
-            _, stdout, _ = client.exec_command(f"P=$(cat {d}/pid 2>/dev/null) && kill -TERM -$P", timeout=10)
+            _, stdout, _ = client.exec_command(f"{_ours(d)} && kill -TERM -$P", timeout=10)
             stdout.channel.recv_exit_status()
     except Exception as exc:  # noqa: BLE001 - the caller is already failing; say why this did not help
         log.warning("could not stop the job %s on %s (%s); it stops at its own deadline", folder, conn_id, exc)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.fields import FieldInfo
 
 from regen.errors import RegenError
+from regen.secrets import flagged_values, is_secret_name
 
 
 class ConfigError(RegenError, ValueError):
@@ -125,7 +126,8 @@ def format_validation_error(model: type[BaseModel], exc: ValidationError, source
         field = flat_location(model, err["loc"])
         msg = "unknown field" + did_you_mean(field, flat_fields(model)) if err["type"] == "extra_forbidden" else err["msg"]
         # An unknown field may be the key under a misspelt name: its value is never shown either.
-        hidden = field.split(".")[0] in secrets or not err["loc"] or err["type"] == "extra_forbidden"
+        hidden = (field.split(".")[0] in secrets or is_secret_name(field.split(".")[-1]) or not err["loc"]
+                  or err["type"] == "extra_forbidden")
         shown = "" if hidden else f" (got {err.get('input')!r})"
         lines.append(f"{source}: field '{field}': {msg}{shown}")
     text = "\n".join(lines)
@@ -141,7 +143,7 @@ def _secret_values(exc: ValidationError, secrets: set[str]) -> set[str]:
     def walk(value: Any) -> None:
         if isinstance(value, dict):
             for key, item in value.items():
-                if key in secrets and isinstance(item, str) and item:
+                if (key in secrets or is_secret_name(key)) and isinstance(item, str) and item:
                     found.add(item)
                 walk(item)
         elif isinstance(value, list):
@@ -150,4 +152,5 @@ def _secret_values(exc: ValidationError, secrets: set[str]) -> set[str]:
 
     for err in exc.errors():
         walk(err.get("input"))
+        found |= flagged_values(err.get("input"))  # a key inside another field's value
     return found

@@ -148,7 +148,7 @@ def ensure_watchdog(layout: RunLayout, idle_shutdown_s: float | None) -> None:
         argv += ["--node", layout.node]
     if idle_shutdown_s:
         argv += ["--idle-shutdown-s", str(idle_shutdown_s)]
-    proc = procs.spawn(argv, layout.watchdog_log, dict(os.environ))
+    proc = procs.spawn(argv, layout.watchdog_log, dict(os.environ))  # regen's own: its alerts use Airflow's notifiers
     atomic_write_json(watchdog_file(layout), {"pid": proc.pid, "start_ticks": procs.start_ticks(proc.pid),
                                               "idle_shutdown_s": idle_shutdown_s}, private=True)
 

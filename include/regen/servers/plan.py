@@ -13,6 +13,7 @@ import httpx2
 from regen.config import RunConfig
 from regen.engines import engine
 from regen.results import PlannedServer, ServerPlan
+from regen.secrets import is_secret_name
 from regen.servers import capacity
 from regen.servers.gpus import detect_gpu_memory_mib, server_devices
 from regen.servers.records import ServerRecord
@@ -25,10 +26,18 @@ def build_command(cfg: RunConfig, model_path: str, port: int) -> list[str]:
     return engine(cfg.engine).launch_argv(cfg, model_path, port)
 
 
+def server_environ() -> dict[str, str]:
+    """What a model server inherits of this process's environment:
+    not Airflow's settings (its database, its connections, its signing keys) nor any variable
+    named as a secret (cloud keys, tokens): a server needs its GPUs, paths and engine settings."""
+    return {k: v for k, v in os.environ.items() if not k.upper().startswith("AIRFLOW") and not is_secret_name(k)}
+
+
 def server_env(gpu: str | int | None, engine_env: dict[str, str] | None = None,
                key_env: dict[str, str] | None = None) -> dict[str, str]:
-    """The node's environment, with the engine's defaults under it, the server's GPUs and its key."""
-    env = dict(os.environ)
+    """The node's environment without its secrets (:func:`server_environ`), with the engine's
+    defaults under it, the server's GPUs and its key."""
+    env = server_environ()
     for name, value in (engine_env or {}).items():
         env.setdefault(name, value)
     env.update(key_env or {})
