@@ -230,3 +230,26 @@ def test_the_advised_max_tokens_covers_the_longest_answer_that_finished():
     assert max_tokens_advice(rows, 4096) == ("raise max_tokens to at least 9,216 (the longest answer that finished "
                                              "took 7,000 tokens; the model's traces are longer)")
     assert max_tokens_advice(rows[1:], 4096).startswith("raise max_tokens to at least 8,192 ")
+
+
+def test_a_template_that_loops_only_on_long_answers_fails_the_canary_at_its_bound(sim_servers, tmp_path, monkeypatch):
+    """Preflight's samples pass; the canary's answers (longer than 40 characters) make the template
+    loop: the canary fails naming the template within its render bound, long before its lease
+    could go stale, instead of holding the servers for its two-hour deadline."""
+    import shutil
+
+    from regen.chat import render
+    from regen.chat.render import TemplateTooSlow
+    from support.data import write_prompts
+
+    model = tmp_path / "slow-template-model"
+    monkeypatch.setattr(render, "RENDER_SECONDS", 2.0)
+    cfg, _ = sim_servers(num_servers=1, prompts=str(write_prompts(tmp_path / "p.jsonl", 4)))
+    shutil.copytree(cfg.model_path, model)
+    template = model / "chat_template.jinja"
+    template.write_text("{%- for message in messages if message.role == 'assistant' and message.content | length > 40 %}"
+                        "{%- for i in range(100000) %}{%- for j in range(100000) %}{%- endfor %}{%- endfor %}"
+                        "{%- endfor %}" + template.read_text())
+    render.load_tokenizer.cache_clear()
+    with pytest.raises(TemplateTooSlow, match="more than 2 s to render one conversation"):
+        canary(cfg.model_copy(update={"model_path": str(model)}))

@@ -3,12 +3,62 @@ template (a local directory only), and the template problems that would make a l
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
+import time
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
 
 from regen.chat.loss import assistant_spans
 from regen.chat.templates import DEFAULT_TRAIN_TEMPLATE, QWEN, TRAIN_TEMPLATES, ChatFormat, TrainTemplate
+from regen.errors import RegenError
+
+# One render of one conversation takes milliseconds; a template that takes this long loops on
+# its input. Under a lease's staleness (regen.coordination.leases.STALE_AFTER_S): a stage stuck in
+# a render fails before its servers are taken for idle.
+RENDER_SECONDS = 20.0
+
+
+class TemplateTooSlow(RegenError):
+    """The chat template did not finish rendering within its bound: it loops on some input."""
+
+
+@contextlib.contextmanager
+def render_bound(seconds: float | None = None):
+    """TemplateTooSlow when the block runs past ``seconds``: preflight checks the template in a
+    bounded child, but a template can loop only on inputs preflight never gave it (the canary's,
+    the audit's, a shard's). A timer signal, so only on the main thread (where stages, the audit's
+    workers and the generation loop run); an outer timer that ends sooner is left alone."""
+    seconds = RENDER_SECONDS if seconds is None else seconds
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    outer_left, outer_interval = signal.getitimer(signal.ITIMER_REAL)
+    if outer_left and outer_left <= seconds:
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise TemplateTooSlow(f"the chat template took more than {seconds:.0f} s to render one conversation: it "
+                              f"loops on some input (preflight's samples passed); fix the template")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    started = time.monotonic()
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer_left:
+            signal.setitimer(signal.ITIMER_REAL, max(0.001, outer_left - (time.monotonic() - started)), outer_interval)
+
+
+def _apply(tokenizer, conversation, **kwargs) -> Any:
+    with render_bound():
+        return tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
 
 
 @lru_cache(maxsize=8)
@@ -185,14 +235,11 @@ def render(tokenizer, conversations: Sequence[list[dict[str, Any]]], enable_thin
     plain = [i for i, t in enumerate(tools) if not t]
     out: list[str] = [""] * len(conversations)
     if plain:
-        rendered = tokenizer.apply_chat_template(
-            [conversations[i] for i in plain], tokenize=False, add_generation_prompt=False, **kwargs)
-        for i, text in zip(plain, rendered if isinstance(rendered, list) else [rendered]):
-            out[i] = text
+        for i in plain:  # one at a time: each under its bound
+            out[i] = _apply(tokenizer, conversations[i], add_generation_prompt=False, **kwargs)
     for i, tool_list in enumerate(tools):
         if tool_list:
-            out[i] = tokenizer.apply_chat_template(conversations[i], tools=tool_list, tokenize=False,
-                                                   add_generation_prompt=False, **kwargs)
+            out[i] = _apply(tokenizer, conversations[i], tools=tool_list, add_generation_prompt=False, **kwargs)
     return out
 
 
@@ -201,11 +248,9 @@ def render_generation_prompt(tokenizer, messages: list[dict[str, Any]], enable_t
     """``tools``: an agentic row's, rendered with its calls' arguments as objects (as the engine
     hands them to the template)."""
     if tools is None:
-        return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking)
+        return _apply(tokenizer, messages, add_generation_prompt=True, enable_thinking=enable_thinking)
     messages = [{**m, "tool_calls": parser_calls(m["tool_calls"])} if m.get("tool_calls") else m for m in messages]
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=enable_thinking)
+    return _apply(tokenizer, messages, tools=tools, add_generation_prompt=True, enable_thinking=enable_thinking)
 
 
 def generation_prefill(tokenizer, fmt: ChatFormat, thinking: bool) -> str:
