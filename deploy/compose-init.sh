@@ -5,6 +5,7 @@
 #    drawn at random on the first `docker compose up` and kept in the airflow-secrets volume, which
 #    every service reads through AIRFLOW__..._CMD (no secret is written into the compose file);
 #  - the web login's password file (user airflow; password $_AIRFLOW_WWW_USER_PASSWORD, default airflow);
+#  - the regen-keys volume (the servers' keys, only the GPU workers mount it) the workers' alone;
 #  - the regen-data volume owned by the uid the workers run as (50000), and the demo model the
 #    default DAG serves, built there unless it is already.
 # Run again, it changes nothing that exists. Paths and the uid are variables so that the tests run it
@@ -13,6 +14,7 @@ set -euo pipefail
 
 SECRETS_DIR=${SECRETS_DIR:-/opt/airflow/secrets}
 DATA_DIR=${DATA_DIR:-/data/regen}
+KEYS_DIR=${KEYS_DIR:-/opt/airflow/regen-keys}
 WORKER_UID=${WORKER_UID:-50000}
 PYTHON=${PYTHON:-python}
 
@@ -46,4 +48,8 @@ fi
 # The volume's top and what was made here; never a recursive walk of datasets that may be terabytes.
 chown -R "$WORKER_UID:0" "$SECRETS_DIR" "$DATA_DIR/demo-model"
 chown "$WORKER_UID:0" "$DATA_DIR"
+# The servers' keys: the GPU workers' user's alone (regen refuses a key folder others can read).
+mkdir -p "$KEYS_DIR"
+chown "$WORKER_UID:0" "$KEYS_DIR"
+chmod 0700 "$KEYS_DIR"
 echo "airflow-init: log in at http://localhost:8080 as airflow (password: \$_AIRFLOW_WWW_USER_PASSWORD, default airflow)"

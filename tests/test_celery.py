@@ -48,7 +48,8 @@ def compose_secrets(home: Path) -> dict[str, str]:
     settings that read them (their paths moved under ``home``)."""
     folder = home / "secrets"
     subprocess.run(["bash", str(ROOT / "deploy" / "compose-init.sh")], check=True, capture_output=True,
-                   env=dict(os.environ, SECRETS_DIR=str(folder), DATA_DIR=str(home / "data"), WORKER_UID=str(os.getuid()),
+                   env=dict(os.environ, SECRETS_DIR=str(folder), DATA_DIR=str(home / "data"),
+                            KEYS_DIR=str(home / "keys"), WORKER_UID=str(os.getuid()),
                             PYTHON=sys.executable, PATH=f"{BIN}:{os.environ['PATH']}"))
     compose = yaml.safe_load((ROOT / "docker-compose.yaml").read_text())
     common = compose["services"]["airflow-apiserver"]["environment"]

@@ -142,8 +142,9 @@ def test_a_one_node_run_goes_to_one_worker():
 
 def test_two_gpu_nodes_one_run_over_both():
     """deploy/two_nodes.yaml: each node's queue is served by exactly one GPU worker, whose host
-    name is the address its servers are reached at, on GPUs of its own; the output and the
-    servers' keys are on the volume every worker mounts."""
+    name is the address its servers are reached at, on GPUs of its own; the output is on the
+    volume every worker mounts, the servers' keys on one only the GPU workers mount (never the
+    data volume: anyone who can write the dataset must not read or forge them)."""
     from pathlib import Path
 
     from regen.dags.definitions import configured_file
@@ -164,7 +165,10 @@ def test_two_gpu_nodes_one_run_over_both():
         assert "regen-data:/data/regen" in worker["volumes"]
     assert len(host_gpus) == len(set(host_gpus)) == 8  # each host GPU reserved by one worker
     shared = Path("/data/regen")
-    assert shared in Path(run.config.output).parents and shared in Path(env["REGEN_KEY_DIR"]).parents
+    assert shared in Path(run.config.output).parents and shared not in Path(env["REGEN_KEY_DIR"]).parents
+    keys = f"regen-keys:{env['REGEN_KEY_DIR']}"
+    assert {name for name, service in SERVICES.items() if keys in service.get("volumes", [])} == {
+        "airflow-gpu-worker", "airflow-gpu-worker-b", "airflow-init"}
 
 
 SECRETS = "/opt/airflow/secrets"
@@ -198,9 +202,9 @@ def test_compose_init_draws_the_secrets_once_gives_the_volumes_to_the_workers_an
 
     from cryptography.fernet import Fernet
 
-    secrets, data = tmp_path / "secrets", tmp_path / "data"
+    secrets, data, keys = tmp_path / "secrets", tmp_path / "data", tmp_path / "keys"
     uid = int(SERVICES["airflow-worker"]["user"].split(":")[0])
-    env = dict(os.environ, SECRETS_DIR=str(secrets), DATA_DIR=str(data), WORKER_UID=str(uid),
+    env = dict(os.environ, SECRETS_DIR=str(secrets), DATA_DIR=str(data), KEYS_DIR=str(keys), WORKER_UID=str(uid),
                PYTHON=sys.executable, PATH=f"{BIN}:{os.environ['PATH']}")
     env.pop("_AIRFLOW_WWW_USER_PASSWORD", None)
     script = ROOT / "deploy" / "compose-init.sh"
@@ -211,9 +215,9 @@ def test_compose_init_draws_the_secrets_once_gives_the_volumes_to_the_workers_an
     Fernet(drawn["fernet_key"].strip())  # a key Airflow's Fernet takes
     assert len(drawn["jwt_secret"].strip()) >= 48 and drawn["jwt_secret"] != drawn["api_secret_key"]
     assert json.loads(drawn["passwords.json"]) == {"airflow": "airflow"}  # the login README names
-    for path in [secrets, *secrets.iterdir(), data, data / "demo-model", data / "demo-model" / "config.json"]:
+    for path in [secrets, *secrets.iterdir(), data, data / "demo-model", data / "demo-model" / "config.json", keys]:
         assert path.stat().st_uid == uid, path
-    assert all(p.stat().st_mode & 0o077 == 0 for p in [secrets, *secrets.iterdir()])
+    assert all(p.stat().st_mode & 0o077 == 0 for p in [secrets, *secrets.iterdir(), keys])
     again = subprocess.run(["bash", str(script)], env={**env, "_AIRFLOW_WWW_USER_PASSWORD": "other"},
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
