@@ -15,7 +15,7 @@ PACKAGE = ROOT / "include" / "regen"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundations", ("regen.errors", "regen.units", "regen.childpool", "regen.modelconfig", "regen.machine", "regen.paths", "regen.files",
                      "regen.procs", "regen.objectstore", "regen.transport", "regen.logrelay", "regen.toolcalls", "regen.turns", "regen.prompts",
-                     "regen.protocol", "regen.chat", "regen.engines.simulator.settings",
+                     "regen.protocol", "regen.chat", "regen.markdown", "regen.secrets", "regen.engines.simulator.settings",
                      "regen.engines.simulator.text", "regen.engines.simulator.calls",
                      "regen.engines.simulator.batching")),
     ("the output's map", ("regen.layout",)),

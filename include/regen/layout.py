@@ -195,6 +195,11 @@ class RunLayout:
         return self.work / "owner.json"
 
     @property
+    def owner_lock(self) -> Path:
+        """Held while the claim is read and written: of two claims at once, one wins."""
+        return self.work / "owner.lock"
+
+    @property
     def manifest(self) -> Path:
         return self.work / "manifest.json"
 

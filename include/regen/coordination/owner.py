@@ -60,7 +60,7 @@ def claim_output(layout: RunLayout, run_id: str, live_runs: Collection[str],
     says are over (the DAG asks it about the holder OutputHeld names, then claims again); None
     when there is no one to ask."""
     layout.work.mkdir(parents=True, exist_ok=True)
-    with FileLock(layout.work / "owner.lock", note=run_id):
+    with FileLock(layout.owner_lock, note=run_id):
         holder = read_json(layout.owner) or {}
         other = holder.get("run_id")
         if other not in (None, run_id):
@@ -152,7 +152,7 @@ def check_held(layout: RunLayout) -> None:
 def _renew(layout: RunLayout, run_id: str) -> None:
     """The claim's sign of life; the claim again when no one holds it (a shard cleared after its
     run's teardown released the output)."""
-    with FileLock(layout.work / "owner.lock", note=run_id):
+    with FileLock(layout.owner_lock, note=run_id):
         current = read_json(layout.owner) or {}
         if current.get("run_id") in (None, run_id):
             atomic_write_json(layout.owner, {"run_id": run_id, "since": current.get("since") or time.time(),
@@ -204,7 +204,7 @@ def release_output(layout: RunLayout, run_id: str) -> None:
     """The run's end: the output is free (only its own claim is released)."""
     if not layout.work.is_dir():
         return
-    with FileLock(layout.work / "owner.lock", note=run_id):
+    with FileLock(layout.owner_lock, note=run_id):
         if (read_json(layout.owner) or {}).get("run_id") == run_id:
             layout.owner.unlink(missing_ok=True)
     if layout.dataset:
