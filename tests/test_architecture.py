@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("records and adapters", ("regen.config.deployment", "regen.training", "regen.results", "regen.stages", "regen.remote", "regen.manifest",
                               "regen.progress", "regen.status", "regen.alerts", "regen.engines", "regen.card",
                               "regen.servers.records", "regen.servers.gpus", "regen.servers.capacity", "regen.servers.probe", "regen.export",
-                              "regen.tinymodel", "regen.audit.findings", "regen.audit.rules",
+                              "regen.tinymodel", "regen.audit.findings", "regen.audit.rules", "regen.quality",
                               "regen.audit.viewer", "regen.audit.report")),
     ("work", ("regen.client", "regen.dispatch", "regen.store", "regen.parts", "regen.weights", "regen.servers.lifecycle", "regen.servers.plan",
               "regen.servers.watchdog", "regen.audit.dataset", "regen.engines.simulator.app")),

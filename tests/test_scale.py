@@ -1,6 +1,7 @@
 """Runs of real size inside Airflow: 10,000 prompts through `airflow standalone`, the audit in
 worker processes inside the task (LocalExecutor's supervisor sets a database URL that a child
-importing Airflow dies on). About 2 minutes: two runs of 10,000 prompts on the shared standalone.
+importing Airflow dies on), and a run whose servers go bad stopped by the live quality guard in
+generation. About 2 minutes: a run of 10,000 prompts and a stopped one on the shared standalone.
 """
 
 from __future__ import annotations
@@ -36,20 +37,23 @@ def test_a_run_of_ten_thousand_prompts_is_audited_in_parallel_inside_its_task(ai
     assert summary["verdict"] == "PASS" and summary["counts"]["degenerate"] == 0
     assert summary["samples"] >= PROMPTS
 
-    # Each server stops thinking after 3,000 requests (the canary's among them): about 40% of
-    # the rows come back without reasoning, and the audit in the task fails the run on them.
+    # Each server stops thinking after 500 requests (the canary's among them): the live quality
+    # guard drains both and stops the run in generation, before a fifth of the requests are sent;
+    # no audit is needed to find it.
+    requests = tmp_path / "requests-{port}.jsonl"
     bad = make_config(prompts=str(prompts), output=str(tmp_path / "bad"), num_shards=4,
                       concurrency_per_server=64, max_tokens=256,
-                      extra_server_args=["--sim-ignore-thinking-after", "3000"])
+                      extra_server_args=["--sim-ignore-thinking-after", "500", "--sim-request-log", str(requests)])
     run_id = trigger_run(api, bad, airflow["config_dir"])
     assert wait_run(api, run_id, 900) == "failed"
-    states = {ti["task_id"]: ti["state"] for ti in
-              api.get(f"/dags/regenerate_dataset/dagRuns/{run_id}/taskInstances").json()["task_instances"]
-              if ti["map_index"] in (-1, 0)}
-    assert states["canary"] == "success" and states["audit"] == "failed", states
-    log = _task_log(api, run_id, "audit")
-    assert f"auditing {PROMPTS:,} rows in 2 worker process(es)" in log
-    assert "BrokenProcessPool" not in log
-    summary = json.loads(bad.layout.audit.summary_json.read_text())
-    assert summary["verdict"] == "FAIL"
-    assert 0.2 < summary["degenerate_fraction"] < 0.6, summary["degenerate_fraction"]
+    tis = api.get(f"/dags/regenerate_dataset/dagRuns/{run_id}/taskInstances").json()["task_instances"]
+    states = {ti["task_id"]: ti["state"] for ti in tis if ti["map_index"] in (-1, 0)}
+    assert states["canary"] == "success" and states["generate"] == "failed" and states["audit"] != "success", states
+    sent = sum(len(p.read_text().splitlines()) for p in tmp_path.glob("requests-*.jsonl"))
+    assert sent < PROMPTS / 5, sent
+    progress = json.loads((tmp_path / "bad" / "progress.json").read_text())
+    assert "every server drained" in progress["quality"]["stopped"]["why"] or \
+        "the run's rows" in progress["quality"]["stopped"]["why"]
+    shard_log = api.get(f"/dags/regenerate_dataset/dagRuns/{run_id}/taskInstances/generate/logs/1",
+                        params={"full_content": True, "map_index": 0}).text
+    assert "quality guard" in shard_log

@@ -224,6 +224,11 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
         check("thinking_mode_mismatch", "answers came back with reasoning while enable_thinking is off (the "
               "request's chat_template_kwargs did nothing: does the chat template read enable_thinking?)", limit=0.0)
     check("empty_answer", "answers are empty")
+    check("repetition_loop", f"answers loop (reasoning or answer ends in a repeated span) above max_loop_fraction "
+          f"{cfg.audit.max_loop_fraction:.0%}: decoding with temperature {cfg.sampling.temperature} and "
+          f"presence_penalty {cfg.sampling.presence_penalty} loops; raise temperature (reasoning models' cards: "
+          f"0.6, never greedy) or presence_penalty (up to 1.5) as the model's card recommends",
+          limit=cfg.audit.max_loop_fraction)
     check("degenerate", f"samples are degenerate (loss mask under min_loss_tokens "
           f"{thresholds.min_loss_tokens}, or no reasoning while thinking is on): the audit's limit of "
           f"{cfg.audit.max_degenerate_fraction:.1%} would not hold", plausible=cfg.audit.max_degenerate_fraction)

@@ -22,6 +22,7 @@ import msgspec
 from regen.config import RunConfig
 from regen.dispatch import ClientTuning, Endpoint, ServerPool
 from regen.protocol import chat_request, read_chat_response
+from regen.quality import QUALITY_BAD, QualityFailed, QualityGuard
 from regen.rows import Row
 from regen.turns import Conversation, reasoning_positions
 
@@ -65,10 +66,12 @@ class Generator:
 
     def __init__(self, pool: ServerPool, cfg: RunConfig, tuning: ClientTuning,
                  sink: Callable[[dict], None], turn_sink: Callable[[dict], None] | None = None,
-                 send_reasoning: tuple[bool, bool] = (False, False)):
+                 send_reasoning: tuple[bool, bool] = (False, False), guard: "QualityGuard | None" = None):
         """``send_reasoning``: where an earlier step's reasoning goes back in the request (chat
-        turns, agent-loop steps; regen.generate.reasoning_sent)."""
+        turns, agent-loop steps; regen.generate.reasoning_sent). ``guard``: judges every answer
+        as it comes back (regen.quality), drains a server gone bad, stops a run gone bad."""
         self.pool = pool
+        self.guard = guard
         self.send_reasoning = send_reasoning
         self.cfg = cfg
         self.tuning = tuning
@@ -91,6 +94,8 @@ class Generator:
         retry = True
         attempt = 0
         for attempt in range(1, self.cfg.generation.max_attempts + 1):
+            if self.guard is not None and self.guard.stopped:
+                raise QualityFailed(self.guard.stopped)
             endpoint = await self.pool.acquire(avoid=endpoint, prefer=self.pool.homes(request.affinity, request.shared))
             sent = time.monotonic()
             retry, latency, tokens = True, None, 0
@@ -111,11 +116,14 @@ class Generator:
                         last_error = f"unreadable response: {exc}"
                     else:
                         self.pool.record_success(endpoint)
-                        self.pool.remember(request.affinity, endpoint, request.shared)
                         latency, tokens = time.monotonic() - sent, row["completion_tokens"] or 0
                         endpoint.done += 1
                         endpoint.tokens += tokens
-                        return row
+                        refused = self._judged(row, endpoint)
+                        if refused is None:
+                            self.pool.remember(request.affinity, endpoint, request.shared)
+                            return row
+                        last_error = refused
                 elif _is_retryable_status(status):
                     last_error = f"HTTP {status}: {_error_text(body)}"
                     self.pool.record_failure(endpoint, last_error)
@@ -131,6 +139,21 @@ class Generator:
                 await asyncio.sleep(random.uniform(0, cap))
         endpoint.failed += 1
         return self.error_row(request, endpoint, last_error, attempt, started, retryable=retry)
+
+    def _judged(self, row: dict, endpoint: Endpoint) -> str | None:
+        """The guard's verdict on an answer: None to keep it; why not, when its server is drained
+        and the answer shows what drained it (it is sent again to another server)."""
+        if self.guard is None:
+            return None
+        findings = self.guard.check(row, endpoint.url)
+        why = self.guard.drained.get(endpoint.url)
+        if why is None:
+            return None
+        if not endpoint.drained:
+            endpoint.drained = why
+            self.guard.all_drained([e.url for e in self.pool.endpoints])
+        bad = QUALITY_BAD & set(findings)
+        return f"server drained by the quality guard ({why}); this answer: {', '.join(sorted(bad))}" if bad else None
 
     def parse(self, request: Request, endpoint: Endpoint, body: dict, attempt: int,
               started: float) -> dict:

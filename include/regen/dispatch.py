@@ -73,6 +73,7 @@ class Endpoint:
     transport: StreamTransport | None = field(default=None, repr=False)
     speed: float | None = None  # moving average of one request's output tokens a second
     unauthorized: bool = False  # it answered 401: it wants a key this client does not have
+    drained: str | None = None  # why the quality guard gives it no new request (regen.quality)
 
     def connect(self, cfg: RunConfig, slots: int) -> None:
         """Connections for ``slots`` requests in flight, and one each for the health probe and
@@ -92,7 +93,8 @@ class Endpoint:
 
     def report(self) -> dict:
         return {"done": self.done, "failed": self.failed, "in_flight": self.in_flight,
-                "healthy": self.healthy, "slots": self.size, "limit": self.limit, "metrics": self.metrics}
+                "healthy": self.healthy, "slots": self.size, "limit": self.limit, "metrics": self.metrics,
+                **({"drained": self.drained} if self.drained else {})}
 
 
 # A server holding a request's prefix takes it while it has a free slot (the request starts at
@@ -173,7 +175,7 @@ class ServerPool:
     def _rendezvous(self, key: str) -> list[Endpoint]:
         """The healthy server ranked first for ``key`` by every process alike (highest random
         weight: a server leaving moves only its own keys)."""
-        healthy = [e for e in self.endpoints if e.healthy]
+        healthy = [e for e in self.endpoints if e.healthy and not e.drained]
         if not healthy:
             return []
         return [max(healthy, key=lambda e: hashlib.blake2b(f"{key}|{e.url}".encode(), digest_size=8).digest())]
@@ -194,7 +196,7 @@ class ServerPool:
         """A server with a free slot (``prefer``: those holding the request's prefix, best first)."""
         async with self.cond:
             while True:
-                healthy = [e for e in self.endpoints if e.healthy]
+                healthy = [e for e in self.endpoints if e.healthy and not e.drained]
                 if len(healthy) > 1 and avoid in healthy:
                     healthy.remove(avoid)  # a retry goes to another server where there is one
                 free = [e for e in healthy if e.in_flight < e.limit]

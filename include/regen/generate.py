@@ -32,6 +32,7 @@ from regen.manifest import Manifest, ShardPrompts, model_fingerprint, prompt_has
 from regen.placement import servers_for
 from regen.progress import RunProgress
 from regen.prompts import Prompt, PromptError, read_at
+from regen.quality import QualityGuard
 from regen.results import GenerateResult, ShardResult
 from regen.servers.records import read_state
 from regen.parts import shard_store
@@ -136,6 +137,15 @@ class ShardRun:
             for store in self.stores:
                 locks.enter_context(store.lock())
             return asyncio.run(self._run())
+
+    def _drain_marked(self) -> None:
+        """The servers another shard of the run drained get no new request from this one either;
+        with none left, the run stops (the next request raises)."""
+        for endpoint in self.eps:
+            endpoint.drained = endpoint.drained or self.guard.drained.get(endpoint.url)
+        if self.eps and all(e.drained for e in self.eps) and not self.guard.stopped:
+            self.guard.stopped = "quality guard: every server drained: " + "; ".join(
+                f"{e.url}: {e.drained}" for e in self.eps)
 
     def _pace_deadline(self) -> None:
         """The deadline moved out when the shard's own pace says this attempt needs longer: an
@@ -244,8 +254,11 @@ class ShardRun:
                 share = FairShare(self.layout, shard_key(self.stores[0].shard), self.run_id, eps)
                 pool = ServerPool(eps, self.tuning, share)
                 pool.demand = self.demand
+                self.guard = QualityGuard(self.layout, self.cfg.audit.max_degenerate_fraction,
+                                          self.cfg.audit.max_loop_fraction, self.cfg.enable_thinking, self.run_id)
+                self._drain_marked()
                 self.gen = Generator(pool, self.cfg, self.tuning, self._sink, self._append,
-                                     reasoning_sent(self.cfg, doc))
+                                     reasoning_sent(self.cfg, doc), self.guard)
                 self._report()
                 reporter = asyncio.create_task(self._reporter())
                 deadline = self._deadline = asyncio.timeout(self._time_left())
@@ -358,6 +371,8 @@ class ShardRun:
             self._report()
             check_overdue(self.layout)
             self._pace_deadline()
+            self.guard.refresh()
+            self._drain_marked()
             work = [s for s in self.shards.values() if not s.up_to_date]
             total = sum(s.total for s in work)
             done = sum(s.skipped + s.done for s in work)

@@ -283,6 +283,11 @@ class RunLayout:
         return self.progress_parts / f"{name}.json"
 
     @property
+    def quality_lock(self) -> Path:
+        """Held while the quality guard's marks are read and written (regen.quality)."""
+        return self.progress_parts / "quality.lock"
+
+    @property
     def history(self) -> Path:
         return self.progress_parts / "history.jsonl"
 

@@ -190,6 +190,19 @@ def attention(progress: dict, audit: dict | None) -> list[dict[str, Any]]:
                     for s in shards[:SHARDS_NAMED]]
         items.append({"kind": "problem", "what": f"{len(shards)} shard{'s' if len(shards) > 1 else ''} failed ({names}{more})",
                       "details": details, "next": step})
+    quality = progress.get("quality") or {}
+    drained = quality.get("drained") or {}
+    if drained:
+        items.append({"kind": "problem",
+                      "what": f"{len(drained)} server{'s' if len(drained) > 1 else ''} drained by the quality guard "
+                              f"(no new request; the run goes on without {'them' if len(drained) > 1 else 'it'})",
+                      "details": [f"{url}: {d.get('why')}" for url, d in sorted(drained.items())],
+                      "next": "read the server's log (its launch arguments, its template, its engine); restart it "
+                              "fixed (clear start_servers) to bring it back"})
+    if quality.get("stopped"):
+        items.append({"kind": "problem", "what": "the quality guard stopped the run: nothing more is sent",
+                      "details": [quality["stopped"].get("why", "")],
+                      "next": "fix the servers or the sampling, clear start_servers, then clear the failed shards"})
     if audit and audit.get("verdict") == "FAIL":
         items.append({"kind": "problem", "what": "audit FAIL: the data is not fit to train on",
                       "details": audit.get("reasons") or audit.get("summary", [])[:1],

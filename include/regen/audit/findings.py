@@ -32,6 +32,7 @@ FINDINGS = (
     "off_policy",          # training's tokens are not what the engine was served and generated (on_policy says why)
     "left_out",            # the export leaves the conversation out (SpecForge's validator and expander would)
     "earlier_turn_cut",    # an earlier turn was truncated or empty: the conversation stopped there
+    "repetition_loop",     # reasoning or answer ends in a repeated span (regen.quality.repetition_loop)
 )
 
 
@@ -76,12 +77,13 @@ class AuditThresholds:
     train_layout: str = "auto"  # events | conversation; auto: resolved with the tokenizer (regen.chat.render)
     max_divergence_fraction: float = 1.0
     min_on_policy_fraction: float | None = None
+    max_loop_fraction: float = 1.0
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "AuditThresholds":
         a = cfg.audit
         return cls(a.min_loss_tokens, a.max_degenerate_fraction, a.train_template, a.train_max_length, a.train_layout,
-                   a.max_divergence_fraction, a.min_on_policy_fraction)
+                   a.max_divergence_fraction, a.min_on_policy_fraction, a.max_loop_fraction)
 
 
 @dataclass
@@ -200,6 +202,7 @@ class AuditReport:
             not self.provenance.get("missing_ids")) and (
             self.summary.degenerate_fraction <= self.thresholds.max_degenerate_fraction) and (
             self.summary.divergence_fraction <= self.thresholds.max_divergence_fraction) and (
+            self.summary.fraction("repetition_loop") <= self.thresholds.max_loop_fraction) and (
             self.summary.on_policy_fraction is None
             or self.summary.on_policy_fraction >= (self.thresholds.min_on_policy_fraction or 0.0))
 
@@ -225,6 +228,11 @@ class AuditReport:
             out.append(f"{s.counts['degenerate']:,} of {s.audited:,} samples degenerate (fraction "
                        f"{s.degenerate_fraction:.4f} above max_degenerate_fraction {t.max_degenerate_fraction:.4f}): "
                        f"loss masks under min_loss_tokens {t.min_loss_tokens}, or thinking asked and none came back")
+        if s.fraction("repetition_loop") > t.max_loop_fraction:
+            out.append(f"{s.counts['repetition_loop']:,} of {s.audited:,} samples loop (fraction "
+                       f"{s.fraction('repetition_loop'):.4f} above max_loop_fraction {t.max_loop_fraction:.4f}): "
+                       f"greedy or low-temperature decoding; raise temperature or presence_penalty as the model's "
+                       f"card recommends")
         if s.divergence_fraction > t.max_divergence_fraction:
             out.append(f"agentic rows ended at a divergence: fraction {s.divergence_fraction:.4f} above "
                        f"max_divergence_fraction {t.max_divergence_fraction:.4f}")
@@ -244,6 +252,7 @@ class AuditReport:
             "thresholds": {"min_loss_tokens": self.thresholds.min_loss_tokens,
                            "max_degenerate_fraction": self.thresholds.max_degenerate_fraction,
                            "max_divergence_fraction": self.thresholds.max_divergence_fraction,
+                           "max_loop_fraction": self.thresholds.max_loop_fraction,
                            "min_on_policy_fraction": self.thresholds.min_on_policy_fraction},
             "divergence_fraction": round(s.divergence_fraction, 6),
             "on_policy": {**s.on_policy, "fraction": None if s.on_policy_fraction is None

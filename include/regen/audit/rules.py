@@ -8,7 +8,8 @@ from regen.chat.loss import loss_token_counts
 from regen.chat.onpolicy import certify
 from regen.chat.render import generation_prefill, render
 from regen.chat.templates import TRAIN_TEMPLATES
-from regen.rows import asked_thinking, row_messages
+from regen.quality import text_findings
+from regen.rows import asked_thinking
 from regen.training import served, training_conversation
 from regen.turns import EARLIER_TURN_CUT
 
@@ -45,22 +46,7 @@ def audit_batch(rows: list[dict], tokenizer, thresholds: AuditThresholds,
         certificate = certified[j]
         result.update(loss_tokens=count.loss, loss_tokens_uncut=count.uncut, tokens=count.total,
                       on_policy=certificate.verdict if certificate else None)
-        content = row.get("content") or ""
-        thinking = asked_thinking(row, default_thinking)
-        reasonings = [row.get("reasoning_content")] + [m.get("reasoning_content") for m in _regenerated(row)]
-        if thinking and not all((r or "").strip() for r in reasonings):
-            findings.append("missing_reasoning")
-        if not thinking and (any((r or "").strip() for r in reasonings) or fmt.think_end in content):
-            findings.append("thinking_mode_mismatch")  # the request's thinking off did nothing
-        if row.get("finish_reason") == "length":
-            findings.append("truncated")
-            if (fmt.think_start in content and fmt.think_end not in content) or (
-                    (reasonings[0] or "").strip() and not content.strip()):
-                findings.append("truncated_in_thinking")
-        if not content.strip() and not row.get("tool_calls"):
-            findings.append("empty_answer")
-        if fmt.think_start in content or fmt.think_end in content:
-            findings.append("think_markers_in_content")
+        findings.extend(text_findings(row, default_thinking, fmt))
         if thresholds.train_max_length and count.total > thresholds.train_max_length:
             findings.append("cut")
             if count.loss < thresholds.min_loss_tokens <= count.uncut:
@@ -83,13 +69,3 @@ def certificates(tokenizer, texts: list[str], rows: list[dict], fmt, default_thi
     block with thinking off) is the prompt's, not the generation's."""
     prefill = {thinking: generation_prefill(tokenizer, fmt, thinking) for thinking in (True, False)}
     return certify(tokenizer, texts, fmt, [served(row, prefill[asked_thinking(row, default_thinking)]) for row in rows])
-
-
-def _regenerated(row: dict) -> list[dict]:
-    """The earlier assistant turns this run regenerated (all of them with regenerate_turns all;
-    none with last, whose history is the dataset's own)."""
-    turns = row.get("turns")
-    earlier = len(turns) - 1 if turns else 0
-    if earlier <= 0:
-        return []
-    return [m for m in row_messages(row) if m["role"] == "assistant"][-earlier:]

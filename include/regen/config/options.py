@@ -347,6 +347,11 @@ class AuditOptions(Options):
     max_degenerate_fraction: float = Field(
         0.01, ge=0, le=1, title="Max degenerate fraction",
         description="The audit fails the run above this fraction of degenerate samples.")
+    max_loop_fraction: float = Field(
+        0.02, ge=0, le=1, title="Max loop fraction",
+        description="The audit fails the run above this fraction of samples whose reasoning or answer ends "
+        "in a repeated span (greedy decoding's loops until max_tokens: a drafter trained on them learns "
+        "loops); the canary and the live guard hold the same bound.")
     max_divergence_fraction: float = Field(
         0.05, ge=0, le=1, title="Max divergence fraction",
         description="The audit fails the run when more agentic rows than this ended early because the model "

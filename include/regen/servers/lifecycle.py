@@ -34,6 +34,7 @@ from regen.layout import RunLayout
 from regen.machine import node_name
 from regen.manifest import Manifest, model_fingerprint
 from regen.results import ServerLogs, ServersStopped, ServersUp
+from regen.quality import clear_quality_marks
 from regen.servers.plan import build_command, server_env
 from regen.servers.probe import is_healthy, log_tail, port_is_free
 from regen.servers.gpus import server_devices
@@ -116,6 +117,7 @@ def launch_servers(cfg: RunConfig, model_path: str, run_id: str = "cli",
         # Again after the launch: a watchdog that _launch found alive may have been on its way out
         # (its servers had just been torn down) and exited since.
         ensure_watchdog(layout, cfg.servers.idle_shutdown_s)
+    clear_quality_marks(cfg.layout, [r.url for r in launched])  # servers started again: judged afresh
     return launched
 
 

@@ -28,11 +28,15 @@ from regen.modelconfig import context_length
 from regen.protocol import SAMPLING_FIELDS, ChatReply, chat_response, error_body, server_info
 
 
+LOOP_SENTENCE = "wait , let me re-check that step once more .".split()
+
+
 class SimServer:
     """One simulated server: its settings, counters, scheduler and routes."""
 
     def __init__(self, settings: SimSettings, port: int = 0):
         self.settings = settings
+        self.faulty = settings.fault_port in (None, port)  # --sim-faults-on-port: this server's faults only
         self.request_log = settings.request_log.replace("{port}", str(port)) if settings.request_log else None
         self.state = SimState()
         self.tokens = SimTokens(settings.model_path) if settings.model_path else None
@@ -140,10 +144,12 @@ class SimServer:
             return JSONResponse({"object": "error", "message": "simulated internal error", "code": 500},
                                 status_code=500)
         kwargs = body.get("chat_template_kwargs") or {}
-        degraded = s.ignore_thinking or (s.ignore_thinking_after is not None
-                                         and state.requests_total > s.ignore_thinking_after)
+        degraded = self.faulty and (s.ignore_thinking or (s.ignore_thinking_after is not None
+                                                          and state.requests_total > s.ignore_thinking_after))
         thinking = (bool(kwargs.get("enable_thinking", True)) or s.always_think) and not degraded
         reasoning, answer = compose(messages, thinking, body.get("seed"), s.seed, s.reasoning_median, s.length_sigma)
+        if reasoning and self.faulty and s.loop_rate and state.requests_total % round(1 / s.loop_rate) == 0:
+            reasoning = reasoning[:8] + LOOP_SENTENCE * (max_tokens // len(LOOP_SENTENCE) + 1)  # until max_tokens
         budget = max_tokens
         think_tokens = reasoning[:budget]
         budget -= len(think_tokens) + (1 if reasoning else 0)

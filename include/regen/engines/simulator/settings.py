@@ -68,6 +68,10 @@ class SimSettings:
     ignore_thinking_after: int | None = _flag(
         "--sim-ignore-thinking-after", "think for the first N requests, then ignore enable_thinking "
         "(a server relaunched mid-run with the wrong flags)", fault=True)
+    loop_rate: float = _flag("--sim-loop-rate", "fraction of answers whose reasoning loops on one sentence "
+                             "until max_tokens (greedy decoding's repetition): every 1/F-th request", 0.0, fault=True)
+    fault_port: int | None = _flag("--sim-faults-on-port", "the faults above only on the server of this port "
+                                   "(one bad server of several)", fault=True)
     startup_delay_s: float = _flag("--sim-startup-delay", "seconds before /health answers 200", 0.0, fault=True)
     fail_while: str | None = _flag("--sim-fail-while", f"while FILE exists, answer HTTP 500 to prompts "
                                    f"containing {FAULT_MARKER!r} (a fault that goes away)", names_a_file=True, fault=True)
