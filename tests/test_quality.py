@@ -97,3 +97,36 @@ def test_loops_are_counted_by_the_canary_the_audit_and_the_card_and_fail_the_can
     assert 0.03 < summary["counts"]["repetition_loop"] / summary["audited"] < 0.25
     assert any("above max_loop_fraction" in r for r in summary["reasons"])
     assert "repetition\\_loop" in (Path(cfg.output) / "README.md").read_text()
+
+
+def test_every_row_says_what_made_it_and_a_dataset_of_two_templates_fails_naming_both(sim_servers, tmp_path):
+    """Two servers of one shard, the second serving a copy of the model whose chat template was
+    changed (a node with another image): every row records its engine, version, parsers, template
+    and launch hashes; the audit fails the mix as foreign_settings naming both templates, the card
+    lists both; allow_mixed_makers keeps them."""
+    import shutil
+
+    from regen.audit.dataset import audit
+    from regen.audit.findings import AuditFailed
+    from regen.chat.render import template_digest
+
+    cfg, first = sim_servers(num_servers=1, num_shards=1, prompts=str(write_prompts(tmp_path / "p.jsonl", 60)))
+    other = tmp_path / "other-image" / Path(cfg.model_path).name
+    shutil.copytree(cfg.model_path, other)
+    (other / "chat_template.jinja").write_text("{#- another image's template -#}\n" + (other / "chat_template.jinja").read_text())
+    _, second = sim_servers(num_servers=1, model_path=str(other), output=str(tmp_path / "unused"))
+    assert _shard(cfg, first + second).run().done == 60
+    df = pd.read_parquet(Path(cfg.output) / "data")
+    made = [json.loads(m) for m in df["made_by"]]
+    assert all(m["engine"] and m["version"] and m["launch"] and m["chat_template"] for m in made)
+    templates = {template_digest(cfg.model_path), template_digest(other)}
+    assert {m["chat_template"] for m in made} == templates and len(templates) == 2
+    with pytest.raises(AuditFailed):
+        audit(cfg)
+    summary = json.loads(cfg.layout.audit.summary_json.read_text())
+    mixed = next(r for r in summary["reasons"] if r.startswith("rows made by different servers' setups"))
+    assert all(t in mixed for t in templates) and summary["counts"]["foreign_settings"] > 0
+    card = (Path(cfg.output) / "README.md").read_text()
+    assert all(t in card for t in templates)
+    allowed = cfg.model_copy(update={"audit": cfg.audit.model_copy(update={"allow_mixed_makers": True})})
+    assert audit(allowed).verdict == "PASS"

@@ -48,7 +48,8 @@ def test_a_run_of_ten_thousand_prompts_is_audited_in_parallel_inside_its_task(ai
     assert wait_run(api, run_id, 900) == "failed"
     tis = api.get(f"/dags/regenerate_dataset/dagRuns/{run_id}/taskInstances").json()["task_instances"]
     states = {ti["task_id"]: ti["state"] for ti in tis if ti["map_index"] in (-1, 0)}
-    assert states["canary"] == "success" and states["generate"] == "failed" and states["audit"] != "success", states
+    assert states["canary"] == "success" and states["generate"] == "failed" and states["audit"] != "success", (
+        states, _task_log(api, run_id, "preflight")[-3000:])
     sent = sum(len(p.read_text().splitlines()) for p in tmp_path.glob("requests-*.jsonl"))
     assert sent < PROMPTS / 5, sent
     progress = json.loads((tmp_path / "bad" / "progress.json").read_text())

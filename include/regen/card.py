@@ -81,6 +81,7 @@ what the model itself writes. Load it with `datasets.load_dataset("parquet", dat
 {_table([("model", cfg.model_path), ("served as (fingerprint)", manifest.get("model_identity")),
          ("engine", cfg.engine), ("reasoning parser", e.reasoning_parser), ("tool-call parser", e.tool_call_parser),
          ("speculative decoding", e.speculative_algorithm), ("settings hash", manifest.get("settings_hash"))])}
+{_makers((doc.get("provenance") or {}).get("makers") or [])}
 ## Sampling
 
 {_table([(k, json.dumps(v) if isinstance(v, (dict, list, bool)) or v is None else v)
@@ -114,6 +115,18 @@ conversations, the error and skipped files) and `recipe/specforge_data.yaml`, th
 SpecForge training config for each, the one this run's layout trains on marked `recommended`.
 `--format sharegpt` writes the single JSONL that SpecForge's and DFlash's loaders read.
 """
+
+
+def _makers(makers: list[dict]) -> str:
+    """What made the rows (each records it: regen.dispatch.made_by), one line per setup."""
+    if not makers:
+        return ""
+    lines = ["| rows | engine | version | reasoning / tool-call parser | chat template | launch |",
+             "| ---: | --- | --- | --- | --- | --- |"]
+    lines += [f"| {m.get('rows', 0):,} | {markdown_literal(m.get('engine'))} | {markdown_literal(m.get('version'))} | "
+              f"{markdown_literal(m.get('reasoning_parser'))} / {markdown_literal(m.get('tool_call_parser'))} | "
+              f"{markdown_literal(m.get('chat_template'))} | {markdown_literal(m.get('launch'))} |" for m in makers]
+    return "Made by:\n\n" + "\n".join(lines) + "\n"
 
 
 def _yaml(doc: dict) -> str:

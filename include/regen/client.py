@@ -163,7 +163,8 @@ class Generator:
             content=reply.content or "", finish_reason=reply.finish_reason, prompt_tokens=reply.prompt_tokens,
             completion_tokens=reply.completion_tokens, error=None,
             enable_thinking=self.sampling["enable_thinking"], model=reply.model or endpoint.model,
-            server=endpoint.url, attempts=attempt, latency_s=round(time.monotonic() - started, 3),
+            server=endpoint.url, made_by=endpoint.made_by, attempts=attempt,
+            latency_s=round(time.monotonic() - started, 3),
             prompt_token_ids=reply.prompt_token_ids, completion_token_ids=reply.completion_token_ids,
             history_reasoning=reasoning_positions(self.send_reasoning),
         ).to_dict(), "tool_calls": reply.tool_calls, **request.stamp}
@@ -173,7 +174,7 @@ class Generator:
         return {**Row(
             id=request.id, messages=request.messages, error=error,
             enable_thinking=self.sampling["enable_thinking"], model=endpoint.model, server=endpoint.url,
-            attempts=attempts, latency_s=round(time.monotonic() - started, 3),
+            made_by=endpoint.made_by, attempts=attempts, latency_s=round(time.monotonic() - started, 3),
             history_reasoning=reasoning_positions(self.send_reasoning),
         ).to_dict(), **request.stamp, "retryable": retryable}
 

@@ -74,6 +74,7 @@ class Endpoint:
     speed: float | None = None  # moving average of one request's output tokens a second
     unauthorized: bool = False  # it answered 401: it wants a key this client does not have
     drained: str | None = None  # why the quality guard gives it no new request (regen.quality)
+    made_by: str | None = None  # what makes its rows (:func:`made_by`), recorded with each
 
     def connect(self, cfg: RunConfig, slots: int) -> None:
         """Connections for ``slots`` requests in flight, and one each for the health probe and
@@ -301,6 +302,7 @@ async def discover(url: str, api_key: str | None, cfg: RunConfig, tuning: Client
     if endpoint.healthy:
         endpoint.info = await _server_info(endpoint)
         endpoint.served_path = endpoint.served_path or endpoint.engine.served_model_path(endpoint.info)
+        endpoint.made_by = made_by(endpoint)
     reported = endpoint.engine.effective_limit(endpoint.info, None)
     wanted = cfg.generation.concurrency_per_server
     if reported:
@@ -312,6 +314,32 @@ async def discover(url: str, api_key: str | None, cfg: RunConfig, tuning: Client
     await endpoint.transport.aclose()
     endpoint.connect(cfg, endpoint.size)
     return endpoint
+
+
+# Server arguments that differ between servers of one fleet by design, or change while it runs:
+# not part of what makes a row.
+_PER_SERVER = {"host", "port", "internal_states", "base_gpu_id", "gpu_id", "dist_init_addr", "nccl_port",
+               "api_key", "log_level", "file_storage_path", "enable_metrics", "last_gen_throughput",
+               "memory_usage", "decode_log_interval"}
+
+
+def made_by(endpoint: Endpoint) -> str:
+    """What makes this server's rows, as one JSON string recorded with each (regen.rows.Row.made_by):
+    its engine and version, its parsers, the hash of the chat template it renders with (the
+    served model folder's, read here; the launch's own ``chat_template`` override named by its
+    path) and of its launch arguments (what is per server left out)."""
+    from regen.chat.render import template_digest
+
+    info = endpoint.info or {}
+    launch = {k: v for k, v in info.items() if k not in _PER_SERVER and not k.startswith("sim_")}
+    override = info.get("chat_template")
+    template = (f"launch:{override}" if override else
+                template_digest(endpoint.served_path) if endpoint.served_path else None)
+    return json.dumps({"engine": endpoint.engine.name if endpoint.engine else None, "version": info.get("version"),
+                       "reasoning_parser": info.get("reasoning_parser"), "tool_call_parser": info.get("tool_call_parser"),
+                       "chat_template": template,
+                       "launch": hashlib.sha256(json.dumps(launch, sort_keys=True, default=str).encode()).hexdigest()[:12]},
+                      sort_keys=True)
 
 
 async def _server_info(endpoint: Endpoint) -> dict:

@@ -62,7 +62,7 @@ def repetition_loop(text: str | None) -> bool:
             repeats = max(LOOP_MIN_REPEATS, math.ceil(LOOP_MIN_CHARS / period))
             if period * repeats <= len(text) and text[-period * repeats:] == text[-period:] * repeats:
                 return True
-    words = text.split()[-LOOP_WORDS:]
+    words = text.rsplit(None, LOOP_WORDS)[-LOOP_WORDS:]  # the last words only, without splitting the rest
     grams = len(words) - LOOP_NGRAM + 1
     if grams < LOOP_MIN_NGRAMS:
         return False

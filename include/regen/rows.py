@@ -48,6 +48,9 @@ class Row:
     enable_thinking: bool | None = _col(audit=True)
     model: str | None = _col()
     server: str | None = _col()
+    # What made the row (regen.dispatch.made_by, JSON): the engine and its version, its parsers, the
+    # hash of the chat template it rendered with and of its launch arguments.
+    made_by: str | None = _col(audit=True)
     attempts: int | None = _col(pa.int32())
     latency_s: float | None = _col()
     prompt_hash: str | None = _col(audit=True)  # of exactly what was sent (messages, template kwargs)

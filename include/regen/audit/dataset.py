@@ -9,6 +9,7 @@ conversations and a self-contained ``report.html`` with histograms.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections import Counter, deque
@@ -41,6 +42,11 @@ from regen.training import training_samples
 log = logging.getLogger("regen.audit")
 
 
+# What two rows must share to be of one dataset (regen.dispatch.made_by); the launch's own hash
+# may differ (one node's memory settings).
+MAKER_FIELDS = ("engine", "version", "reasoning_parser", "tool_call_parser", "chat_template")
+
+
 class Provenance:
     """Which rows this run produced: the prompt hash its manifest recorded for the id, and the
     dataset's one settings hash (the manifest's, else the most common)."""
@@ -61,6 +67,7 @@ class Provenance:
         self.shards_published = len(self.shard_files)
         self.run_shards = doc.get("num_shards")
         self.made_by = doc.get("run_id")  # the run whose preflight wrote the manifest the rows answer
+        self.makers: Counter = Counter()  # what made the rows (regen.dispatch.made_by), as compared
         self._slices: dict[int, dict[str, str]] = {}
         self.seen: set[str] = set()
 
@@ -73,6 +80,10 @@ class Provenance:
         return self._slices[shard].get(prompt_id)
 
     def check(self, rows: list[dict], results: list[dict]) -> None:
+        for row in rows:
+            if row.get("made_by"):
+                made = json.loads(row["made_by"])
+                self.makers[json.dumps({k: made.get(k) for k in (*MAKER_FIELDS, "launch")}, sort_keys=True)] += 1
         for row, result in zip(rows, results):
             prompt_id = row.get("source_id", row["id"])  # an event's row is its conversation's
             if self.num_shards and "prompt_hash" in row and row["prompt_hash"] != self._expected(prompt_id):
@@ -97,9 +108,22 @@ class Provenance:
                 out += set(self.manifest.shard_prompts(shard).ids) - self.seen
         return sorted(out)
 
+    def mixed_rows(self) -> int:
+        """Rows made otherwise than most of the dataset (another engine, version, parser or chat
+        template; not another launch hash): a dataset regenerated across an image upgrade, a node
+        with another template."""
+        groups: Counter = Counter()
+        for key, rows in self.makers.items():
+            made = json.loads(key)
+            groups[tuple(made.get(k) for k in MAKER_FIELDS)] += rows
+        return sum(groups.values()) - max(groups.values(), default=0)
+
     def to_json(self) -> dict:
         missing = self.missing()
-        return {"made_by": self.made_by, "settings_hash": self.settings_hash, "rows_per_settings_hash": dict(self.settings_counts),
+        return {"made_by": self.made_by,
+                "makers": [{**json.loads(k), "rows": n} for k, n in self.makers.most_common()],
+                "mixed_rows": self.mixed_rows(),
+                "settings_hash": self.settings_hash, "rows_per_settings_hash": dict(self.settings_counts),
                 "checked_against_manifest": bool(self.num_shards),
                 "shards_published": self.shards_published, "num_shards": self.run_shards,
                 "missing_ids": len(missing), "missing_examples": missing[:3]}
@@ -208,6 +232,8 @@ def audit_dataset(data: str | Path | RunLayout, tokenizer_dir: str | Path, repor
             writer.write_table(pa.Table.from_pylist(results, schema=SAMPLE_SCHEMA))
             if summary.samples % (batch_size * 20) < len(samples):
                 log.info("audited %s samples", f"{summary.samples:,}")
+    if not thresholds.allow_mixed_makers:
+        summary.counts["foreign_settings"] += provenance.mixed_rows()
     audit_report = AuditReport(summary, thresholds, files, provenance.to_json())
     atomic_write_json(files.summary_json, audit_report.to_json())
     views = sample_views(layout, files.samples_parquet, str(tokenizer_dir), thresholds, default_thinking)

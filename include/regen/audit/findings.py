@@ -78,12 +78,13 @@ class AuditThresholds:
     max_divergence_fraction: float = 1.0
     min_on_policy_fraction: float | None = None
     max_loop_fraction: float = 1.0
+    allow_mixed_makers: bool = False
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "AuditThresholds":
         a = cfg.audit
         return cls(a.min_loss_tokens, a.max_degenerate_fraction, a.train_template, a.train_max_length, a.train_layout,
-                   a.max_divergence_fraction, a.min_on_policy_fraction, a.max_loop_fraction)
+                   a.max_divergence_fraction, a.min_on_policy_fraction, a.max_loop_fraction, a.allow_mixed_makers)
 
 
 @dataclass
@@ -220,6 +221,12 @@ class AuditReport:
         if foreign:
             out.append("rows that are not this run's: " + ", ".join(f"{f} {n:,}" for f, n in foreign.items())
                        + " (another prompt file or other settings wrote them)")
+        makers = self.provenance.get("makers") or []
+        if self.provenance.get("mixed_rows") and not t.allow_mixed_makers:
+            out.append("rows made by different servers' setups (engine, version, parsers, chat template): "
+                       + "; ".join(f"{m['rows']:,} rows by {m['engine']} {m['version']} template {m['chat_template']} "
+                                   f"parsers {m['reasoning_parser']}/{m['tool_call_parser']}" for m in makers[:4])
+                       + " (allow_mixed_makers lets a dataset keep them)")
         if self.provenance.get("missing_ids"):
             out.append(f"{self.provenance['missing_ids']:,} prompts of the published shards have no row "
                        f"(e.g. {', '.join(self.provenance['missing_examples'])}): the shards hold fewer ids than "

@@ -77,6 +77,21 @@ def load_tokenizer(model_dir: str):
     return tokenizer
 
 
+def template_digest(model_dir: str | Path) -> str | None:
+    """A short hash of the chat template a model folder serves (chat_template.jinja, else
+    tokenizer_config.json's); None when the folder is not here or has none."""
+    import hashlib
+    import json
+
+    folder = Path(model_dir)
+    try:
+        text = (folder / "chat_template.jinja").read_text() if (folder / "chat_template.jinja").is_file() else \
+            json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError):
+        return None
+    return hashlib.sha256(json.dumps(text).encode()).hexdigest()[:12] if text else None
+
+
 def parser_calls(calls: list[dict]) -> list[dict]:
     """Tool calls as SpecForge's parser hands them to the template: id, type and function only,
     the arguments parsed into an object (an unparsable string becomes ``{}``, as there)."""

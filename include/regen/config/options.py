@@ -352,6 +352,11 @@ class AuditOptions(Options):
         description="The audit fails the run above this fraction of samples whose reasoning or answer ends "
         "in a repeated span (greedy decoding's loops until max_tokens: a drafter trained on them learns "
         "loops); the canary and the live guard hold the same bound.")
+    allow_mixed_makers: bool = Field(
+        False, title="Allow mixed makers",
+        description="Keep rows made by servers that differ in engine, version, parsers or chat template "
+        "(each row records what made it): a dataset regenerated across an image upgrade on purpose. Off: the "
+        "audit fails such a mix as foreign_settings, naming each.")
     max_divergence_fraction: float = Field(
         0.05, ge=0, le=1, title="Max divergence fraction",
         description="The audit fails the run when more agentic rows than this ended early because the model "
