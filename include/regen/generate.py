@@ -258,7 +258,7 @@ class ShardRun:
                                           self.cfg.audit.max_loop_fraction, self.cfg.enable_thinking, self.run_id)
                 self._drain_marked()
                 self.gen = Generator(pool, self.cfg, self.tuning, self._sink, self._append,
-                                     reasoning_sent(self.cfg, doc), self.guard)
+                                     reasoning_sent(self.cfg, doc, [e.served_path for e in eps]), self.guard)
                 self._report()
                 reporter = asyncio.create_task(self._reporter())
                 deadline = self._deadline = asyncio.timeout(self._time_left())
@@ -449,20 +449,25 @@ def shard_deadline_s(canary_estimate: dict | None) -> float | None:
     return max(SHARD_DEADLINE_FLOOR_S, SHARD_DEADLINE_FACTOR * eta)
 
 
-def reasoning_sent(cfg: RunConfig, manifest: dict) -> tuple[bool, bool]:
+def reasoning_sent(cfg: RunConfig, manifest: dict, served: list[str | None] | None = None) -> tuple[bool, bool]:
     """(chat turns, agent-loop steps): where an earlier step's reasoning goes back in the request,
-    as preflight found the model's template renders it (else found here, when the model's
-    tokenizer is). Servers named by URL only: sent at both, the served template renders what it
-    renders."""
+    as the *served* model's template renders it: preflight's finding for the run's model, else
+    found here from the folder the servers say they serve (``served``: their model paths) when it
+    is here. Servers whose model is not here (named by URL only): sent at both, the served
+    template renders what it renders; never the template of a model the servers do not serve."""
     from regen.chat.render import history_reasoning_rendered, load_tokenizer
 
     if cfg.generation.history_reasoning == "never" or cfg.generation.regenerate_turns == "last":
         return False, False
+    folders = {str(Path(p)) for p in served or [] if p}
+    model = folders.pop() if len(folders) == 1 else None if folders else str(Path(cfg.model_path))
+    if model is None or not (Path(model) / "tokenizer_config.json").is_file():
+        return True, True
     probe = manifest.get("history_reasoning") or {}
-    if probe.get("model_path") != str(Path(cfg.model_path)) or probe.get("enable_thinking") != cfg.enable_thinking:
+    if probe.get("model_path") != model or probe.get("enable_thinking") != cfg.enable_thinking:
         try:
-            probe = history_reasoning_rendered(load_tokenizer(cfg.model_path), cfg.enable_thinking)
-        except Exception:  # no local tokenizer, or a template that fails (preflight's to report)
+            probe = history_reasoning_rendered(load_tokenizer(model), cfg.enable_thinking)
+        except Exception:  # a template that fails (preflight's to report)
             return True, True
     return bool(probe.get("chat_turns")), bool(probe.get("tool_steps"))
 
