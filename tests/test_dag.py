@@ -229,21 +229,32 @@ def test_servers_without_thinking_fail_the_canary_and_teardown_still_stops_them(
 
 
 @pytest.mark.slow
-def test_thinking_lost_after_the_canary_fails_the_run_at_the_audit(airflow_db, deployed_dag, make_config):
-    """The canary passes (the servers think at first), the shards run, the audit catches it."""
+def test_thinking_lost_after_the_canary_stops_the_run_in_generation(airflow_db, deployed_dag, make_config):
+    """The canary passes (the servers think at first); once they stop, the live quality guard
+    drains them and the shards fail in seconds, naming why: few requests are paid for, and
+    there is no audit to wait for."""
     cfg = make_config(extra_server_args=["--sim-ignore-thinking-after", "6"])
     run = deployed_dag(cfg).test(run_conf=_conf(cfg))
     states = _states(run)
     assert run.state == "failed"
     assert states["canary"] == ["success"]
-    assert states["generate"] == ["success"] * cfg.num_shards
-    assert states["audit"] == ["failed"]
-    assert states["stop_servers"] == ["success"]
-    summary = json.loads((ROOT / cfg.output / "audit" / "summary.json").read_text())
-    assert summary["verdict"] == "FAIL"
-    assert summary["degenerate_fraction"] > 0.9
-    assert asset_events(f"file://{cfg.output}/data") == []  # a failed audit announces nothing
+    assert states["generate"] == ["failed"] * cfg.num_shards
+    assert states["audit"] != ["success"] and states["stop_servers"] == ["success"]
+    progress = json.loads((ROOT / cfg.output / "progress.json").read_text())
+    assert "quality guard" in progress["quality"]["stopped"]["why"]
+    assert all("quality guard" in s["reason"] for s in progress["shards"].values())
+    assert _sent(cfg) < 280 / 2
+    assert asset_events(f"file://{cfg.output}/data") == []  # a failed run announces nothing
     assert_no_server_left(cfg)
+
+
+def one_server_loses_thinking(cfg, after: int = 6):
+    """``cfg`` whose second server stops thinking after ``after`` requests (the canary passes),
+    with a bound tight enough that the rows it made before the guard drained it fail the audit."""
+    servers = cfg.servers.model_copy(update={"extra_server_args": [
+        "--sim-ignore-thinking-after", str(after), "--sim-faults-on-port", str(cfg.servers.base_port + 1)]})
+    return cfg.model_copy(update={"servers": servers, "audit": cfg.audit.model_copy(
+        update={"max_degenerate_fraction": 0.002})})
 
 
 def _sent(cfg) -> int:
@@ -281,8 +292,9 @@ def test_scheduled_reruns_are_incremental(airflow_db, deployed_dag, make_config,
 def test_a_rerun_of_an_output_whose_audit_failed_audits_it_again(airflow_db, deployed_dag, make_config):
     """Up to date is not good: a scheduled rerun of data that failed its audit fails again (nothing
     sent), and only a passing audit of the whole output lets later reruns skip everything."""
-    # Thinking lost after the canary's requests: the canary passes, the audit fails.
-    cfg = make_config(num_shards=2, extra_server_args=["--sim-ignore-thinking-after", "6"])
+    # One server loses thinking after the canary's requests: the guard drains it, the run ends on the
+    # other, and the rows it made before that fail the audit.
+    cfg = one_server_loses_thinking(make_config(num_shards=2))
     dag = deployed_dag(cfg)
     assert dag.test(run_conf=_conf(cfg)).state == "failed"
     assert _sent(cfg) == 280

@@ -158,9 +158,13 @@ is queued. About 2 min."""
             "ssh_conn_id": {"ssh_conn_id": "no_such_node"},
             "extra_server_args": {"engine": "vllm", "extra_server_args": ["--tool-parser-plugin", str(script)]},
             "output": {"output": str(tmp_path / "outside")},
-            # typed into the conf (under other spellings too, and inside another field): refused, never stored
-            "api_key": {"api_key": typed, "API_KEY": typed, "extra_server_args": ["--api-key", typed]},
+            "api_key": {"api_key": typed},  # typed into the conf: refused, and never stored
         }
+        # The key under other spellings and inside another field: never stored either (the run is refused).
+        spelled = user.post("/dags/regenerate_dataset/dagRuns", json={"logical_date": None, "conf": {
+            **_conf(cfg), "API_KEY": typed, "extra_server_args": ["--api-key", typed]}})
+        assert spelled.status_code == 200 and typed not in spelled.text
+        assert typed not in user.get(f"/dags/regenerate_dataset/dagRuns/{spelled.json()['dag_run_id']}").text
         runs = {}
         for field, change in [*attempts.items(), ("none", {})]:
             created = user.post("/dags/regenerate_dataset/dagRuns",

@@ -172,17 +172,22 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
         assert "HTTP 500" in page.inner_text("#shards") and page.inner_text("#canary-verdict") == "passed"
         page.screenshot(path=str(ARTIFACTS / "run-page-failed-shards.png"), full_page=True)
 
-        # The audit catches what the canary could not see (thinking lost after the canary), and a
+        # A server loses thinking after the canary: the live guard drains it (the page names it and
+        # why), the run ends on the other, and the audit fails on the rows it made before; and a
         # run a person marks failed mid-shard (the UI's PATCH): it ends failed, not green by
         # Airflow's teardown rule, its servers stopped and its unfinished shards shown stopped.
-        lost = make_config(output=str(tmp_path / "thinking-lost"), sim_tokens_per_second=2000,
-                           extra_server_args=["--sim-ignore-thinking-after", "6"])
+        lost = make_config(output=str(tmp_path / "thinking-lost"), sim_tokens_per_second=2000)
+        lost = lost.model_copy(update={
+            "servers": lost.servers.model_copy(update={"extra_server_args": [
+                "--sim-ignore-thinking-after", "6", "--sim-faults-on-port", str(lost.servers.base_port + 1)]}),
+            "audit": lost.audit.model_copy(update={"max_degenerate_fraction": 0.002})})
         audit_failed = trigger_run(api, lost, airflow["config_dir"])  # its fault flag is the deployment's:
         assert wait_run(api, audit_failed, 300) == "failed"  # the next run's deployment waits
         page = open_run(audit_failed, "#verdict")
         assert page.inner_text("#verdict") == "FAIL" and page.inner_text("#canary-verdict") == "passed"
         alert = page.inner_text("#attention")
         assert "audit FAIL: the data is not fit to train on" in alert and "next: read the report" in alert
+        assert "drained by the quality guard" in alert and f":{lost.servers.base_port + 1}" in alert
         page.screenshot(path=str(ARTIFACTS / "run-page-audit-failed.png"), full_page=True)
 
         def shards_under_way() -> bool:

@@ -17,13 +17,18 @@ from support.paths import AIRFLOW_HOME, TEST_VAR
 from regen.servers.probe import free_port_base
 import os
 held, ports = [], []
-for _ in range(40):
-    base = free_port_base(3)
-    for port in range(base, base + 3):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", port))
-        held.append(sock)
-        ports.append(port)
+while len(ports) < 120:
+    base, socks = free_port_base(3), []
+    try:
+        for port in range(base, base + 3):
+            socks.append(socket.socket())
+            socks[-1].bind(("127.0.0.1", port))
+    except OSError:  # taken between the pick and the bind by a process outside the two workers
+        for sock in socks:  # (another test's connection): pick again, as a server's start does
+            sock.close()
+        continue
+    held += socks
+    ports += range(base, base + 3)
 print(json.dumps({"range": os.environ["REGEN_PORT_RANGE"], "home": str(AIRFLOW_HOME), "var": str(TEST_VAR),
                   "ports": ports}))
 """

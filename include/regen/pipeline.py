@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import sys
 import traceback
 from typing import Any
 
@@ -33,7 +35,11 @@ log = logging.getLogger("regen")
 @contextlib.contextmanager
 def log_group(title: str):
     """Airflow's task log folds what is logged between these markers: the detail of a long
-    stage stays one click away, and its summary, logged after, is what a person sees."""
+    stage stays one click away, and its summary, logged after, is what a person sees. In a
+    person's terminal they are noise: left out there."""
+    if sys.stderr.isatty() and not os.environ.get("AIRFLOW_CTX_DAG_ID"):
+        yield
+        return
     log.info("::group::%s", title)
     try:
         yield

@@ -76,11 +76,15 @@ def check_installed_engine(cfg: RunConfig, report: PreflightReport) -> None:
         report.problems.append(f"the launch command is refused by {installed.source}: {installed.launch_error}")
 
 
+# A row's fixed fields in its journal line: ids, hashes, server, what made it (made_by), timings.
+ROW_FIXED_BYTES = 1024
+
+
 def output_bytes_per_row(prompt_chars: int, max_tokens: int) -> float:
-    """The disk a row takes at the peak, publishing: its journal line (the prompt, up to
-    max_tokens of text at ~4 bytes a token, and every token id as JSON, ~7 bytes each, a prompt
-    token per ~4 characters) plus its compressed copy in the shard file (about half)."""
-    journal = prompt_chars + max_tokens * 4 + (prompt_chars / 4 + max_tokens) * 7
+    """The disk a row takes at the peak, publishing: its journal line (its fixed fields, the
+    prompt, up to max_tokens of text at ~4 bytes a token, and every token id as JSON, ~7 bytes
+    each, a prompt token per ~4 characters) plus its compressed copy in the shard file (about half)."""
+    journal = ROW_FIXED_BYTES + prompt_chars + max_tokens * 4 + (prompt_chars / 4 + max_tokens) * 7
     return journal * 1.5
 
 
