@@ -78,16 +78,12 @@ def test_the_limit_is_sglangs_effective_one_and_shared_by_every_shard(sim_server
     assert len(df) == 120 and df["id"].is_unique
 
 
-def test_a_shard_past_its_deadline_fails_and_its_retry_resumes(sim_servers, tmp_path, monkeypatch):
-    """A node too slow for the deadline (its pace not counted here): the attempt fails at its
-    deadline, naming it, with what it finished kept; the retry sends only the rest. The DAG's
-    deadline comes from the canary's estimate."""
-    from regen import generate
+def test_a_shard_past_its_deadline_fails_and_its_retry_resumes(sim_servers, tmp_path):
+    """A slow (or hung) node: the attempt fails at its deadline, naming it, with what it finished
+    kept; the retry sends only the rest. The DAG's deadline comes from the canary's estimate."""
     from regen.dispatch import ClientTuning
     from regen.errors import ShardFailed
     from regen.generate import SHARD_DEADLINE_FLOOR_S, ShardRun, shard_deadline_s
-
-    monkeypatch.setattr(generate, "PACE_MIN_ROWS", 10_000)
 
     assert shard_deadline_s({"eta_s": 3600}) == 4 * 3600 and shard_deadline_s({"eta_s": 60}) == SHARD_DEADLINE_FLOOR_S
     assert shard_deadline_s(None) is None and shard_deadline_s({"eta_s": None}) is None
@@ -104,36 +100,6 @@ def test_a_shard_past_its_deadline_fails_and_its_retry_resumes(sim_servers, tmp_
     assert sim_requests_total(records[0].url) - sent_first <= 40 - done.skipped + 4  # the rest, and what was cut
     df = pd.read_parquet(Path(cfg.output) / "data")
     assert sorted(df["id"]) == sorted(read_ids(prompts)) and df["id"].is_unique
-
-
-def test_an_estimate_too_low_moves_the_deadline_by_the_shards_own_pace_and_a_stalled_one_still_fails(
-        sim_servers, tmp_path, caplog, monkeypatch):
-    """The canary's estimate from a few prompts was far too low (a deadline of 3 s for a shard
-    that honestly needs more): the shard's own pace moves its deadline and it completes. Once it
-    stops finishing rows (every request hangs), the pace stops moving it and the deadline holds."""
-    import logging
-
-    from regen import generate
-    from regen.dispatch import ClientTuning
-    from regen.errors import ShardFailed
-    from regen.generate import ShardRun
-
-    monkeypatch.setattr(generate, "PACE_MIN_ROWS", 2)  # its pace as soon as two rows are done
-    cfg, records = sim_servers(num_servers=1, sim_tokens_per_second=150, concurrency_per_server=2)
-    prompts = write_prompts(tmp_path / "p.jsonl", 16)
-    cfg = cfg.model_copy(update={"prompts": str(prompts), "num_shards": 1})
-    endpoints = [(r.url, r.api_key) for r in records]
-    tuning = ClientTuning(progress_interval_s=0.2)
-    with caplog.at_level(logging.INFO, logger="regen"):
-        done = ShardRun(cfg, endpoints, 0, records[0].model_fingerprint, tuning, deadline_s=5).run()
-    assert (done.done, done.failed) == (16, 0) and done.seconds > 5
-    assert any("its deadline moves from 5 s" in r.getMessage() for r in caplog.records)
-
-    hung, hung_records = sim_servers(num_servers=1, sim_hang_rate=1.0)
-    hung = hung.model_copy(update={"prompts": str(prompts), "num_shards": 1, "output": str(tmp_path / "hung")})
-    with pytest.raises(ShardFailed, match="passed its deadline of 3 s"):
-        ShardRun(hung, [(r.url, r.api_key) for r in hung_records], 0, hung_records[0].model_fingerprint, tuning,
-                 deadline_s=3).run()
 
 
 def test_a_server_killed_mid_shard_is_restarted_and_the_shard_completes(sim_servers, tmp_path):

@@ -122,7 +122,7 @@ class ShardRun:
         self.progress = RunProgress(self.layout)
         self.manifest = Manifest(self.layout)
         self.model_identity = model_identity
-        self.started = self.last_row_at = time.monotonic()
+        self.started = time.monotonic()
         self.started_wall = time.time()
         self.gen: Generator | None = None
         self.eps: list = []
@@ -146,24 +146,6 @@ class ShardRun:
         if self.eps and all(e.drained for e in self.eps) and not self.guard.stopped:
             self.guard.stopped = "quality guard: every server drained: " + "; ".join(
                 f"{e.url}: {e.drained}" for e in self.eps)
-
-    def _pace_deadline(self) -> None:
-        """The deadline moved out when the shard's own pace says this attempt needs longer: an
-        estimate from the canary's few prompts that is too low must not fail a honest multi-day
-        shard for good (every retry would meet the same deadline). Only a hung attempt meets it."""
-        if self.deadline_s is None:
-            return
-        work = [s for s in self.shards.values() if not s.up_to_date]
-        sent, todo = sum(s.done + s.failed for s in work), sum(s.total - s.skipped for s in work)
-        if sent < PACE_MIN_ROWS:
-            return
-        # The pace up to the last finished row: an attempt that stops finishing rows stops moving it.
-        needed = SHARD_DEADLINE_FACTOR * (self.last_row_at - self.started) * todo / sent
-        if needed > self.deadline_s:
-            log.info("%s: its deadline moves from %.0f s to %.0f s, %.0fx what its own pace needs", self.name,
-                     self.deadline_s, needed, SHARD_DEADLINE_FACTOR)
-            self.deadline_s = needed
-            self._deadline.reschedule(asyncio.get_running_loop().time() + needed - (time.monotonic() - self.started))
 
     def _time_left(self) -> float | None:
         return None if self.deadline_s is None else max(self.deadline_s - (time.monotonic() - self.started), 0.0)
@@ -261,7 +243,7 @@ class ShardRun:
                                      reasoning_sent(self.cfg, doc, [e.served_path for e in eps]), self.guard)
                 self._report()
                 reporter = asyncio.create_task(self._reporter())
-                deadline = self._deadline = asyncio.timeout(self._time_left())
+                deadline = asyncio.timeout(self._time_left())
                 try:
                     async with deadline:  # never wait_for: it can lose a cancellation (Python 3.11)
                         await self.gen.run(self._conversations(work))
@@ -269,8 +251,8 @@ class ShardRun:
                     if not deadline.expired():
                         raise
                     failure = ShardFailed(f"{self.name} passed its deadline of {self.deadline_s:.0f} s "
-                                          f"(derived from the canary's estimate and the shard's own pace); what "
-                                          f"it finished is kept and its retry resumes from there")
+                                          f"(derived from the canary's estimate); what it finished is kept and "
+                                          f"its retry resumes from there")
                     self._report("failed", str(failure))
                     raise failure from None
                 except BaseException as exc:
@@ -317,7 +299,6 @@ class ShardRun:
 
     def _sink(self, row: dict) -> None:
         self._append(row)
-        self.last_row_at = time.monotonic()
         shard = self.shard_of[row["id"]]
         if row["error"] is None:
             shard.done += 1
@@ -370,7 +351,6 @@ class ShardRun:
             await asyncio.gather(*(scrape_metrics(e) for e in self.eps))
             self._report()
             check_overdue(self.layout)
-            self._pace_deadline()
             self.guard.refresh()
             self._drain_marked()
             work = [s for s in self.shards.values() if not s.up_to_date]
@@ -438,7 +418,6 @@ def generate(cfg: RunConfig, shards: list[int], endpoints: list[str] | None = No
 # hung node or command, not a slow run.
 SHARD_DEADLINE_FACTOR = 4.0
 SHARD_DEADLINE_FLOOR_S = 1800.0
-PACE_MIN_ROWS = 8  # rows an attempt finishes before its own pace may move its deadline
 
 
 def shard_deadline_s(canary_estimate: dict | None) -> float | None:
