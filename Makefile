@@ -53,12 +53,13 @@ demo: setup
 	$(VENV)/bin/regen summary --config demo/config.yaml
 
 # The Airflow UI with the demo DAG: `airflow standalone` (SQLite, LocalExecutor) on loopback with
-# every setting it needs; UI_PORT moves it. Stop it with Ctrl-C.
+# every setting it needs (its components are `airflow` commands: the venv first on PATH); UI_PORT
+# moves it. Stop it with Ctrl-C.
 UI_PORT ?= 8080
 ui: setup
 	@echo "Airflow UI with the regen DAG: http://127.0.0.1:$(UI_PORT)  user: admin, password: Airflow prints it"
 	@echo "below ('Password for user'); it is kept in $(AIRFLOW_HOME)/simple_auth_manager_passwords.json.generated"
-	AIRFLOW__API__HOST=127.0.0.1 AIRFLOW__API__PORT=$(UI_PORT) \
+	PATH=$(VENV)/bin:$$PATH AIRFLOW__API__HOST=127.0.0.1 AIRFLOW__API__PORT=$(UI_PORT) \
 	  AIRFLOW__CORE__EXECUTION_API_SERVER_URL=http://127.0.0.1:$(UI_PORT)/execution/ \
 	  AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS=admin:admin $(VENV)/bin/airflow standalone
 
