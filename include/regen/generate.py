@@ -32,7 +32,7 @@ from regen.manifest import Manifest, ShardPrompts, model_fingerprint, prompt_has
 from regen.placement import servers_for
 from regen.progress import RunProgress
 from regen.prompts import Prompt, PromptError, read_at
-from regen.quality import QualityGuard
+from regen.quality import QualityFailed, QualityGuard
 from regen.results import GenerateResult, ShardResult
 from regen.servers.records import read_state
 from regen.parts import shard_store
@@ -143,9 +143,8 @@ class ShardRun:
         with none left, the run stops (the next request raises)."""
         for endpoint in self.eps:
             endpoint.drained = endpoint.drained or self.guard.drained.get(endpoint.url)
-        if self.eps and all(e.drained for e in self.eps) and not self.guard.stopped:
-            self.guard.stopped = "quality guard: every server drained: " + "; ".join(
-                f"{e.url}: {e.drained}" for e in self.eps)
+        with contextlib.suppress(QualityFailed):  # marked stopped: the next request raises it
+            self.guard.all_drained([e.url for e in self.eps])
 
     def _time_left(self) -> float | None:
         return None if self.deadline_s is None else max(self.deadline_s - (time.monotonic() - self.started), 0.0)

@@ -27,11 +27,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from regen.alerts import send
 from regen.chat.templates import QWEN, ChatFormat
 from regen.coordination import FileLock
 from regen.errors import ShardFailed
 from regen.files import atomic_write_json, read_json
 from regen.layout import RunLayout
+from regen.progress import RunProgress
 from regen.rows import asked_thinking, row_messages
 
 log = logging.getLogger("regen.quality")
@@ -175,8 +177,6 @@ class QualityGuard:
             else:
                 doc.setdefault(key, value)
             atomic_write_json(self.layout.progress_part("quality"), {**doc, "updated": time.time()})
-        from regen.progress import RunProgress
-
         RunProgress(self.layout).fold()
 
     def check(self, row: dict, server: str) -> list[str]:
@@ -196,8 +196,6 @@ class QualityGuard:
             self.drained[server] = why
             log.error("server %s drained by the quality guard: %s", server, why)
             self._mark("drained", {server: {"why": why, "at": time.time(), "run_id": self.run_id}})
-            from regen.alerts import send
-
             send("quality guard", f"server {server} drained: {why}")
         run_why = self.shard.crossed(self.max_degenerate, self.max_loops)
         if run_why:
@@ -213,6 +211,9 @@ class QualityGuard:
         raise QualityFailed(why)
 
     def all_drained(self, servers: list[str]) -> None:
+        """Stop the run (QualityFailed) when every one of ``servers`` is drained: nothing is left to send to."""
+        if self.stopped:
+            raise QualityFailed(self.stopped)
         if servers and all(s in self.drained for s in servers):
             self.stop("every server drained: " + "; ".join(f"{s}: {self.drained[s]}" for s in servers))
 
@@ -226,6 +227,4 @@ def clear_quality_marks(layout: RunLayout, urls: list[str]) -> None:
         doc = read_json(path) or {}
         drained = {url: d for url, d in (doc.get("drained") or {}).items() if url not in urls}
         atomic_write_json(path, {"drained": drained, "updated": time.time()})
-    from regen.progress import RunProgress
-
     RunProgress(layout).fold()

@@ -10,8 +10,9 @@ it checks the claim is still its own, renews it while it works, and every write 
 again (:func:`check_held`). The teardown releases it.
 
 A holder is taken over only once it has ended: Airflow says its run is over (the DAG asks it
-about the holder a refusal names: ``ended_runs``), or, where nothing can be asked, no sign of it lives (no lease, approval or
-server of its run) and it has not renewed its claim for ``CLAIM_STALE_S``. The CLI with
+about the holder a refusal names: ``ended_runs``), or, where nothing can be asked, no sign of it
+lives (no lease, approval or server of its run) and it has not renewed its claim for
+``CLAIM_STALE_S``. The CLI with
 ``--config`` (the operator's own shell) claims nothing.
 """
 
@@ -143,7 +144,7 @@ def check_held(layout: RunLayout) -> None:
         return
     holder = (read_json(layout.owner) or {}).get("run_id")
     _checked[key] = seen
-    if holder not in (None, run_id) or key in _lost:  # none: released by a teardown, renewed again below
+    if holder not in (None, run_id) or key in _lost:  # none: a teardown released it; the next renewal claims it
         why = _lost.get(str(layout.root)) or f"run {holder or 'none'} holds it now"
         raise OutputLost(f"output {layout.dataset or layout.root}: {why}, not this run ({run_id}); nothing more "
                          f"of this run is written there")
@@ -172,8 +173,8 @@ def _renew_until(stop: threading.Event, layout: RunLayout, run_id: str) -> None:
 @contextlib.contextmanager
 def holding_output(layout: RunLayout, run_id: str) -> Iterator[None]:
     """A stage of ``run_id`` working on the output: OutputLost at once if another run holds it
-    (claimed again when no one does), the claim renewed every ``RENEW_EVERY_S`` while the stage works (a busy stage stays alive), and
-    checked before every write (:func:`check_held`)."""
+    (claimed again when no one does), the claim renewed every ``RENEW_EVERY_S`` while the stage
+    works (a busy stage stays alive), and checked before every write (:func:`check_held`)."""
     key = str(layout.root)
     _held[key] = run_id
     _lost.pop(key, None)
