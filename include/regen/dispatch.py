@@ -316,11 +316,12 @@ async def discover(url: str, api_key: str | None, cfg: RunConfig, tuning: Client
     return endpoint
 
 
-# Server arguments that differ between servers of one fleet by design, or change while it runs:
-# not part of what makes a row.
+# What SGLang 0.5.23's /server_info reports (its resolved server arguments, launch_command,
+# scheduler info, kv_events, startup_time, internal_states) that differs between servers of one
+# fleet by design, or changes while it runs: not part of what makes a row.
 _PER_SERVER = {"host", "port", "internal_states", "base_gpu_id", "gpu_id", "dist_init_addr", "nccl_port",
                "api_key", "log_level", "file_storage_path", "enable_metrics", "last_gen_throughput",
-               "memory_usage", "decode_log_interval"}
+               "memory_usage", "decode_log_interval", "launch_command", "startup_time", "kv_events"}
 
 
 def made_by(endpoint: Endpoint) -> str:
