@@ -4,7 +4,8 @@
 #    worker's task presents to the API server, the API's secret key, the Fernet key of connections),
 #    drawn at random on the first `docker compose up` and kept in the airflow-secrets volume, which
 #    every service reads through AIRFLOW__..._CMD (no secret is written into the compose file);
-#  - the web login's password file (user airflow; password $_AIRFLOW_WWW_USER_PASSWORD, default airflow);
+#  - the web login's password file (user airflow; password $_AIRFLOW_WWW_USER_PASSWORD, else drawn
+#    here and printed once, in this service's log);
 #  - the regen-keys volume (the servers' keys, only the GPU workers mount it) the workers' alone;
 #  - the regen-data volume owned by the uid the workers run as (50000), and the demo model the
 #    default DAG serves, built there unless it is already.
@@ -34,9 +35,19 @@ draw jwt_secret "secrets.token_urlsafe(48)"
 draw api_secret_key "secrets.token_urlsafe(48)"
 draw fernet_key "base64.urlsafe_b64encode(secrets.token_bytes(32)).decode()"  # Fernet's key form
 if [ ! -s "$SECRETS_DIR/passwords.json" ]; then
-    _AIRFLOW_WWW_USER_PASSWORD=${_AIRFLOW_WWW_USER_PASSWORD:-airflow} "$PYTHON" -c \
+    # The password goes through the environment and a file, never a command line (ps would show it).
+    if [ -z "${_AIRFLOW_WWW_USER_PASSWORD:-}" ]; then
+        _AIRFLOW_WWW_USER_PASSWORD=$("$PYTHON" -c "import secrets; print(secrets.token_urlsafe(18))")
+        drawn_password=1
+    fi
+    _AIRFLOW_WWW_USER_PASSWORD=$_AIRFLOW_WWW_USER_PASSWORD "$PYTHON" -c \
         'import json, os; print(json.dumps({"airflow": os.environ["_AIRFLOW_WWW_USER_PASSWORD"]}))' \
-        > "$SECRETS_DIR/passwords.json"
+        > "$SECRETS_DIR/passwords.json.tmp"
+    mv "$SECRETS_DIR/passwords.json.tmp" "$SECRETS_DIR/passwords.json"
+    if [ -n "${drawn_password:-}" ]; then
+        echo "airflow-init: the UI's login is airflow / $_AIRFLOW_WWW_USER_PASSWORD (drawn now, shown only this once;" \
+             "it stays in the airflow-secrets volume, passwords.json)"
+    fi
 fi
 
 if [ ! -f "$DATA_DIR/demo-model/config.json" ]; then
@@ -52,4 +63,4 @@ chown "$WORKER_UID:0" "$DATA_DIR"
 mkdir -p "$KEYS_DIR"
 chown "$WORKER_UID:0" "$KEYS_DIR"
 chmod 0700 "$KEYS_DIR"
-echo "airflow-init: log in at http://localhost:8080 as airflow (password: \$_AIRFLOW_WWW_USER_PASSWORD, default airflow)"
+echo "airflow-init: the UI is at http://127.0.0.1:8080 unless AIRFLOW_UI_BIND or AIRFLOW_UI_PORT say otherwise (user airflow)"

@@ -1,5 +1,5 @@
-"""docker-compose.yaml, checked without a Docker engine: every service, build, path, variable and
-command it names exists and agrees with the project."""
+"""docker-compose.yaml (and its second-node override), checked without a Docker engine: every
+service, build, path, variable and command it names exists and agrees with the project."""
 
 from __future__ import annotations
 
@@ -12,8 +12,49 @@ import yaml
 
 from support.paths import BIN, ROOT
 
-COMPOSE = yaml.safe_load((ROOT / "docker-compose.yaml").read_text())
+class _ComposeLoader(yaml.SafeLoader):
+    """YAML with Compose's merge tags: ``!override`` (replace what the base file has) and ``!reset``."""
+
+
+class Override(list):
+    """A sequence tagged ``!override``: it replaces the base's instead of being appended to it."""
+
+
+_ComposeLoader.add_constructor("!override", lambda loader, node: Override(loader.construct_sequence(node, deep=True)))
+_ComposeLoader.add_constructor("!reset", lambda loader, node: None)
+
+
+def load_compose(name: str) -> dict:
+    return yaml.load((ROOT / name).read_text(), Loader=_ComposeLoader)
+
+
+def _merge(base, over):
+    """Compose's merge rules (compose-file/merge.md): mappings merged key by key, sequences appended
+    to, ``command`` and ``!override`` replacing."""
+    if isinstance(over, Override):
+        return list(over)
+    if isinstance(base, dict) and isinstance(over, dict):
+        return base | {key: value if key not in base or key == "command" else _merge(base[key], value)
+                       for key, value in over.items()}
+    if isinstance(base, list) and isinstance(over, list):
+        return base + [item for item in over if item not in base]
+    return over
+
+
+def two_node_services() -> dict:
+    """docker-compose.yaml with docker-compose.two-nodes.yaml over it (``extends`` resolved)."""
+    base, over = COMPOSE["services"], load_compose("docker-compose.two-nodes.yaml")["services"]
+    merged = {name: _merge(base[name], service) if name in base else service for name, service in over.items()}
+    for name, service in merged.items():
+        if "extends" in service:
+            assert service["extends"]["file"] == "docker-compose.yaml", name
+            merged[name] = _merge(base[service["extends"]["service"]], {k: v for k, v in service.items() if k != "extends"})
+    return {**base, **merged}
+
+
+COMPOSE = load_compose("docker-compose.yaml")
 SERVICES = COMPOSE["services"]
+TWO_NODES = two_node_services()
 AIRFLOW_SERVICES = [name for name in SERVICES if name.startswith("airflow-")]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 
@@ -101,11 +142,12 @@ def test_every_command_is_an_airflow_command(name):
         assert flag in out.stdout, f"{name}: {flag}"
 
 
-@pytest.mark.parametrize("name", ["airflow-gpu-worker", "airflow-gpu-worker-b"])
-def test_the_gpu_worker_gets_gpus_shared_memory_and_its_own_queue(name):
-    gpu = SERVICES[name]
+@pytest.mark.parametrize("services, name", [(SERVICES, "airflow-gpu-worker"), (TWO_NODES, "airflow-gpu-worker"),
+                                            (TWO_NODES, "airflow-gpu-worker-b")])
+def test_the_gpu_worker_gets_gpus_shared_memory_and_its_own_queue(services, name):
+    gpu = services[name]
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
-    assert any("gpu" in d["capabilities"] for d in devices)
+    assert len(devices) == 1 and "gpu" in devices[0]["capabilities"]  # one request: never another node's GPUs
     assert gpu.get("ipc") == "host" or gpu.get("shm_size")
     queues = gpu["command"].split("--queues")[1].split()[0].split(",")
     assert gpu["environment"]["REGEN_QUEUE"] in queues  # the DAG sends its tasks there
@@ -118,10 +160,10 @@ def test_the_gpu_worker_gets_gpus_shared_memory_and_its_own_queue(name):
     assert out.returncode == 0
 
 
-def _serving() -> dict[str, list[str]]:
+def _serving(services: dict = SERVICES) -> dict[str, list[str]]:
     """queue -> the workers that serve it."""
     serving: dict[str, list[str]] = {}
-    for name, service in SERVICES.items():
+    for name, service in services.items():
         if "--queues" in str(service.get("command", "")):
             for q in service["command"].split("--queues")[1].split()[0].split(","):
                 serving.setdefault(q, []).append(name)
@@ -136,39 +178,85 @@ def test_a_one_node_run_goes_to_one_worker():
 
     run = configured_file(ROOT / "deploy" / "dataset.yaml")
     assert not run.config.nodes and run.config.queue
-    assert len(_serving()[run.config.queue]) == 1
-    assert len(_serving()[SERVICES["airflow-gpu-worker"]["environment"]["REGEN_QUEUE"]]) > 1
+    for services in (SERVICES, TWO_NODES):
+        assert len(_serving(services)[run.config.queue]) == 1
+    assert len(_serving(TWO_NODES)[SERVICES["airflow-gpu-worker"]["environment"]["REGEN_QUEUE"]]) > 1
+
+
+VARIABLE = re.compile(r"^\$\{(\w+)(?::-([^}]*)|:\?[^}]*)\}$")
+
+
+def test_one_gpu_worker_takes_the_nodes_gpus_from_a_variable_and_the_ui_stays_on_this_machine():
+    """A 7-GPU node: one GPU worker, every GPU by default, a device list from REGEN_GPU_DEVICES
+    (Docker hands it to the NVIDIA runtime as NVIDIA_VISIBLE_DEVICES); the UI on loopback unless
+    the operator binds it elsewhere; the login's password drawn, not a default."""
+    gpu_workers = [name for name, service in SERVICES.items() if "deploy" in service]
+    assert gpu_workers == ["airflow-gpu-worker"]
+    (ids,) = [d["device_ids"] for d in SERVICES["airflow-gpu-worker"]["deploy"]["resources"]["reservations"]["devices"]]
+    assert len(ids) == 1 and VARIABLE.match(ids[0]).groups() == ("REGEN_GPU_DEVICES", "all")
+    (published,) = SERVICES["airflow-apiserver"]["ports"]
+    bind = re.match(r"^(\$\{[^}]*\}):", published).group(1)
+    assert VARIABLE.match(bind).groups() == ("AIRFLOW_UI_BIND", "127.0.0.1")
+    password = SERVICES["airflow-init"]["environment"]["_AIRFLOW_WWW_USER_PASSWORD"]
+    assert VARIABLE.match(password).groups() == ("_AIRFLOW_WWW_USER_PASSWORD", "")
+    # the override: both workers' lists required, no default that would give both all the GPUs
+    for name, variable in (("airflow-gpu-worker", "REGEN_GPU_DEVICES"), ("airflow-gpu-worker-b", "REGEN_GPU_DEVICES_B")):
+        (ids,) = [d["device_ids"] for d in TWO_NODES[name]["deploy"]["resources"]["reservations"]["devices"]]
+        assert ids[0].startswith(f"${{{variable}:?"), name
 
 
 def test_two_gpu_nodes_one_run_over_both():
-    """deploy/two_nodes.yaml: each node's queue is served by exactly one GPU worker, whose host
-    name is the address its servers are reached at, on GPUs of its own; the output is on the
-    volume every worker mounts, the servers' keys on one only the GPU workers mount (never the
-    data volume: anyone who can write the dataset must not read or forge them)."""
+    """docker-compose.two-nodes.yaml over docker-compose.yaml: every service sees the DAG of
+    deploy/two-nodes/two_nodes.yaml beside the one-node one; each node's queue is served by exactly
+    one GPU worker, whose host name is the address its servers are reached at, on GPUs of its own
+    (each serves every GPU it was given: no `gpus` to disagree with the device list); the output is
+    on the volume every worker mounts, the servers' keys on one only the GPU workers mount (never
+    the data volume: anyone who can write the dataset must not read or forge them)."""
+    import os
     from pathlib import Path
 
     from regen.dags.definitions import configured_file
 
-    run = configured_file(ROOT / "deploy" / "two_nodes.yaml")
-    env = SERVICES["airflow-gpu-worker"]["environment"]
-    assert env["REGEN_CONFIG_DIR"] == "/opt/airflow/deploy" and run.dag_id == "regenerate_two_nodes"
-    serving = _serving()
-    host_gpus = []
+    run = configured_file(ROOT / "deploy" / "two-nodes" / "two_nodes.yaml")
+    assert run.dag_id == "regenerate_two_nodes"
+    for name in AIRFLOW_SERVICES + ["airflow-gpu-worker-b"]:
+        folders = TWO_NODES[name]["environment"]["REGEN_CONFIG_DIR"].split(os.pathsep)
+        assert folders == ["/opt/airflow/deploy", "/opt/airflow/deploy/two-nodes"], name
+    serving = _serving(TWO_NODES)
+    device_variables = []
     for spec in run.config.nodes:
-        assert len(serving[spec.queue]) == 1
-        worker = SERVICES[serving[spec.queue][0]]
+        assert len(serving[spec.queue]) == 1 and spec.gpus is None
+        worker = TWO_NODES[serving[spec.queue][0]]
         assert worker["hostname"] == spec.host
-        devices = worker["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
-        # inside its container a worker numbers the GPUs it was given from 0: `gpus` are positions
-        assert all(0 <= g < len(devices) for g in spec.gpus) and len(spec.gpus) == len(devices)
-        host_gpus += devices
+        (ids,) = [d["device_ids"] for d in worker["deploy"]["resources"]["reservations"]["devices"]]
+        device_variables.append(VARIABLE.match(ids[0]).group(1))
         assert "regen-data:/data/regen" in worker["volumes"]
-    assert len(host_gpus) == len(set(host_gpus)) == 8  # each host GPU reserved by one worker
+    assert len(set(device_variables)) == 2  # each worker's GPUs a list of its own
+    env = SERVICES["airflow-gpu-worker"]["environment"]
     shared = Path("/data/regen")
     assert shared in Path(run.config.output).parents and shared not in Path(env["REGEN_KEY_DIR"]).parents
     keys = f"regen-keys:{env['REGEN_KEY_DIR']}"
-    assert {name for name, service in SERVICES.items() if keys in service.get("volumes", [])} == {
+    assert {name for name, service in TWO_NODES.items() if keys in service.get("volumes", [])} == {
         "airflow-gpu-worker", "airflow-gpu-worker-b", "airflow-init"}
+
+
+def test_a_second_config_folder_adds_its_dags_and_a_repeated_dag_is_a_problem(monkeypatch, tmp_path):
+    """REGEN_CONFIG_DIR with two folders (the override's form): both folders' DAGs; a second file
+    of one DAG id is reported, naming both files, and the first kept."""
+    import os
+
+    from regen.dags.definitions import run_definitions
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    for folder in (first, second):
+        folder.mkdir()
+        (folder / "dataset.yaml").write_text(f"output: {tmp_path / folder.name / 'out'}\n")
+    (second / "extra.yaml").write_text(f"output: {tmp_path / 'extra'}\n")
+    monkeypatch.setenv("REGEN_CONFIG_DIR", f"{first}{os.pathsep}{second}")
+    definitions, problems = run_definitions()
+    assert [d.dag_id for d in definitions] == ["regenerate_dataset", "regenerate_extra"]
+    assert definitions[0].source == first / "dataset.yaml"
+    assert problems == [f"{second / 'dataset.yaml'}: regenerate_dataset is already defined by {first / 'dataset.yaml'}"]
 
 
 SECRETS = "/opt/airflow/secrets"
@@ -214,7 +302,9 @@ def test_compose_init_draws_the_secrets_once_gives_the_volumes_to_the_workers_an
     assert set(drawn) == {"jwt_secret", "api_secret_key", "fernet_key", "passwords.json"}
     Fernet(drawn["fernet_key"].strip())  # a key Airflow's Fernet takes
     assert len(drawn["jwt_secret"].strip()) >= 48 and drawn["jwt_secret"] != drawn["api_secret_key"]
-    assert json.loads(drawn["passwords.json"]) == {"airflow": "airflow"}  # the login README names
+    # the login's password drawn (no default to guess) and printed once, in init's log
+    password = json.loads(drawn["passwords.json"])["airflow"]
+    assert len(password) >= 20 and password != "airflow" and f"airflow / {password}" in first.stdout
     for path in [secrets, *secrets.iterdir(), data, data / "demo-model", data / "demo-model" / "config.json", keys]:
         assert path.stat().st_uid == uid, path
     assert all(p.stat().st_mode & 0o077 == 0 for p in [secrets, *secrets.iterdir(), keys])
@@ -222,7 +312,12 @@ def test_compose_init_draws_the_secrets_once_gives_the_volumes_to_the_workers_an
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert {p.name: p.read_text() for p in secrets.iterdir()} == drawn  # a second `up` keeps them
-    assert "built the demo model" not in again.stdout
+    assert "built the demo model" not in again.stdout and password not in again.stdout
+    given = tmp_path / "given"
+    chosen = subprocess.run(["bash", str(script)], env={**env, "SECRETS_DIR": str(given), "_AIRFLOW_WWW_USER_PASSWORD": "mine"},
+                            capture_output=True, text=True, timeout=300)
+    assert chosen.returncode == 0 and json.loads((given / "passwords.json").read_text()) == {"airflow": "mine"}
+    assert "mine" not in chosen.stdout  # a password the operator chose is never printed
 
     command = SERVICES["airflow-apiserver"]["environment"]["AIRFLOW__API_AUTH__JWT_SECRET_CMD"]
     read = subprocess.run([str(BIN / "airflow"), "config", "get-value", "api_auth", "jwt_secret"],
@@ -240,12 +335,12 @@ def test_what_each_deployed_config_names_is_on_a_volume_its_worker_mounts():
     import json
     import os
 
-    serving = _serving()
-    for path in sorted((ROOT / "deploy").glob("*.yaml")):
+    serving = _serving(TWO_NODES)
+    for path in sorted((ROOT / "deploy").rglob("*.yaml")):
         queues = yaml.safe_load(path.read_text()).get("queue"), *[
             n["queue"] for n in yaml.safe_load(path.read_text()).get("nodes", [])]
         for worker in {w for q in queues if q for w in serving[q]}:
-            service = SERVICES[worker]
+            service = TWO_NODES[worker]
             env = dict(os.environ, **{k: str(v) for k, v in service["environment"].items() if k.startswith("REGEN_")})
             out = subprocess.run([str(BIN / "regen"), "config", "--config", str(path), "--json"], env=env,
                                  capture_output=True, text=True, timeout=120)
@@ -266,7 +361,7 @@ def test_the_gpu_image_is_sglangs_own_at_the_pinned_version_with_regen_on_path()
     assert re.search(rf"^ARG SGLANG_VERSION={re.escape(pin)}$", DOCKERFILE, flags=re.M)
     assert re.search(r"^FROM lmsysorg/sglang:v\$\{SGLANG_VERSION\} AS gpu$", DOCKERFILE, flags=re.M)
     for name in ("airflow-gpu-worker", "airflow-gpu-worker-b"):
-        assert SERVICES[name]["build"]["args"]["SGLANG_VERSION"] == f"${{SGLANG_VERSION:-{pin}}}"
+        assert TWO_NODES[name]["build"]["args"]["SGLANG_VERSION"] == f"${{SGLANG_VERSION:-{pin}}}"
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["regen"] == "regen.cli:main"
     stages = re.split(r"^FROM ", DOCKERFILE, flags=re.M)[1:]
@@ -275,7 +370,7 @@ def test_the_gpu_image_is_sglangs_own_at_the_pinned_version_with_regen_on_path()
     gpu = stages[-1]
     uid = SERVICES["airflow-gpu-worker"]["user"].split(":")[0]
     assert f"--uid {uid} " in gpu and "ENTRYPOINT [\"airflow\"]" in gpu
-    two_nodes = yaml.safe_load((ROOT / "deploy" / "two_nodes.yaml").read_text())
+    two_nodes = yaml.safe_load((ROOT / "deploy" / "two-nodes" / "two_nodes.yaml").read_text())
     assert two_nodes["engine_python"] == "/usr/bin/python3"  # the image's SGLang, not the Airflow venv
 
 

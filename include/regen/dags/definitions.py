@@ -53,9 +53,10 @@ class RunDefinition:
         return self.dag_id if self.source else None
 
 
-def config_dir() -> Path | None:
-    value = os.environ.get("REGEN_CONFIG_DIR", "").strip()
-    return Path(value) if value else None
+def config_dirs() -> list[Path]:
+    """REGEN_CONFIG_DIR's folders (``os.pathsep`` between them, as PATH): a second node's override
+    adds its folder to the first's."""
+    return [Path(part) for part in os.environ.get("REGEN_CONFIG_DIR", "").strip().split(os.pathsep) if part.strip()]
 
 
 def configured_file(path: Path) -> RunDefinition:
@@ -70,18 +71,26 @@ def configured_file(path: Path) -> RunDefinition:
 
 def run_definitions() -> tuple[list[RunDefinition], list[str]]:
     """The DAGs this deployment defines, and one message per config file that is broken."""
-    folder = config_dir()
-    if folder is None:
+    folders = config_dirs()
+    if not folders:
         return [RunDefinition(DEFAULT_DAG_ID, RunConfig(), schedule_spec(os.environ.get("REGEN_SCHEDULE")))], []
-    if not folder.is_dir():
-        return [], [f"REGEN_CONFIG_DIR={folder}: not a directory"]
-    definitions, problems = [], []
-    for path in sorted(folder.glob("*.yaml")) + sorted(folder.glob("*.yml")):
-        try:
-            definitions.append(configured_file(path))
-        except ConfigError as exc:
-            problems.append(str(exc))
-    return definitions, problems
+    definitions: dict[str, RunDefinition] = {}
+    problems = []
+    for folder in folders:
+        if not folder.is_dir():
+            problems.append(f"REGEN_CONFIG_DIR: {folder} is not a directory")
+            continue
+        for path in sorted(folder.glob("*.yaml")) + sorted(folder.glob("*.yml")):
+            try:
+                found = configured_file(path)
+            except ConfigError as exc:
+                problems.append(str(exc))
+                continue
+            if found.dag_id in definitions:
+                problems.append(f"{path}: {found.dag_id} is already defined by {definitions[found.dag_id].source}")
+            else:
+                definitions[found.dag_id] = found
+    return list(definitions.values()), problems
 
 
 def queue() -> str:
@@ -111,6 +120,6 @@ def triggered_config(dag_id: str, conf: dict | None) -> RunConfig:
     definitions = run_definitions()[0]
     mine = {d.dag_id: d for d in definitions}.get(dag_id)
     if mine is None:
-        raise NotRegenDag(f"{dag_id!r} is not a regen DAG of this deployment (REGEN_CONFIG_DIR={config_dir() or 'unset'})")
+        raise NotRegenDag(f"{dag_id!r} is not a regen DAG of this deployment (REGEN_CONFIG_DIR={os.environ.get('REGEN_CONFIG_DIR') or 'unset'})")
     others = {d.dag_id: d.config.output for d in definitions if d.dag_id != dag_id}
     return triggered_run_config(mine.config, mine.where, conf, others)
