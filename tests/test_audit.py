@@ -323,3 +323,83 @@ def test_the_audit_writes_a_dataset_card_that_a_hub_loads_the_data_by(sim_server
     assert "<img" not in html and "<a " not in html and "evil.example" in html
     command = re.search(r"^```\n(regen export .*)\n```$", card, re.M).group(1)
     assert shlex.split(command)[-2:] == ["--tokenizer", hostile]
+
+
+AUDIT_WITHIN_MEMORY = '''
+import sys
+from regen.audit.dataset import audit_dataset
+from regen.audit.findings import AuditThresholds
+report = audit_dataset(sys.argv[1], sys.argv[2], sys.argv[3], AuditThresholds(16, 0.01),
+                       workers=int(sys.argv[4]), memory_gb=float(sys.argv[5]))
+print(report.summary.samples)
+'''
+
+
+def tree_rss_peak(proc: subprocess.Popen) -> int:
+    """The peak of the summed RSS of ``proc`` and its descendants, read from /proc until it exits."""
+    def tree(pid: int) -> list[int]:
+        try:
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            return [pid]
+        return [pid, *[p for child in children for p in tree(int(child))]]
+
+    def rss(pid: int) -> int:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return 0
+        found = re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)
+        return int(found.group(1)) * 1024 if found else 0
+
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, sum(rss(pid) for pid in tree(proc.pid)))
+        try:
+            proc.wait(timeout=0.02)  # a sample every 20 ms while it runs
+        except subprocess.TimeoutExpired:
+            pass
+    return peak
+
+
+@pytest.fixture(scope="module")
+def long_answers_with_token_ids(tmp_path_factory) -> Path:
+    """300 rows, each with an engine's 32k-token answer ids and 2k prompt ids (about 1.3 MB a row
+    as Python objects, 140 KB in Arrow): built in Arrow, never as Python lists here."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from regen.rows import ROW_SCHEMA
+
+    path = tmp_path_factory.mktemp("long") / "data"
+    path.mkdir()
+    rows = 300
+    table = pa.Table.from_pylist([row(i) for i in range(rows)], schema=ROW_SCHEMA)
+    rng = np.random.default_rng(7)
+    for name, length in (("prompt_token_ids", 2_000), ("completion_token_ids", 32_000)):
+        values = pa.array(rng.integers(1_000, 150_000, rows * length, dtype=np.int32))
+        ids = pa.ListArray.from_arrays(pa.array(np.arange(0, rows * length + 1, length, dtype=np.int32)), values)
+        table = table.set_column(table.schema.get_field_index(name), name, ids)
+    pq.write_table(table, path / "shard-0.parquet", row_group_size=rows)
+    return path
+
+
+@pytest.mark.parametrize("workers", [2, 16])
+def test_an_audit_of_32k_token_answers_with_their_ids_stays_within_its_memory(
+        workers, long_answers_with_token_ids, tiny_model, tmp_path):
+    """audit_memory_gb holds for the whole process tree, however many workers are asked for: the
+    workers that fit, batches sized by bytes (a 512-row batch of these rows is ~650 MB as Python
+    objects, and it used to be held in the main process, in a worker and again on the way back)."""
+    bound_gb = 1.5
+    script = tmp_path / "audit.py"
+    script.write_text(AUDIT_WITHIN_MEMORY)
+    proc = subprocess.Popen([str(BIN / "python"), str(script), str(long_answers_with_token_ids), str(tiny_model),
+                             str(tmp_path / "report"), str(workers), str(bound_gb)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = tree_rss_peak(proc)
+    out, err = proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert out.split()[-1] == "300"
+    assert peak <= bound_gb * (1 << 30), f"peak {peak / (1 << 30):.2f} GB over the {bound_gb} GB bound"
+    print(f"{workers} workers asked: peak {peak / (1 << 20):,.0f} MB of {bound_gb * 1024:,.0f} MB")

@@ -356,3 +356,37 @@ def test_prompts_appended_while_preflight_reads_them_are_never_silently_left_out
     assert Manifest(cfg.layout).current_for(cfg) is None
     run("preflight", cfg, code=False)
     assert Manifest(cfg.layout).current_for(cfg)["prompts"]["count"] == 11
+
+
+def test_a_resumed_shards_memory_follows_its_unfinished_conversations_not_its_journal(tmp_path):
+    """A resume keeps the finished turns (with their 4k token ids) of the conversations still going
+    only: a journal four times longer in finished conversations costs the same peak (within 20%)."""
+    import random
+    import tracemalloc
+
+    from regen.store import ShardStore
+
+    def peak_of_resume(finished: int) -> tuple[int, dict]:
+        store = ShardStore(RunLayout(tmp_path / f"out-{finished}"), 0, 1)
+        journal = Journal(store.journal_path)
+        ids = [random.randrange(1_000, 150_000) for _ in range(4_000)]
+        stamp = {"prompt_hash": "h", "settings_hash": "s"}
+        for c in range(finished + 5):
+            for turn in range(3):
+                journal.append({"id": f"c{c}", "partial": True, "turn": turn, "content": "step",
+                                "completion_token_ids": ids, **stamp})
+            if c < finished:  # its last turn came back: the conversation is a row of the dataset
+                journal.append({"id": f"c{c}", "error": None, "content": "done", **stamp})
+        journal.close()
+        hashes = {f"c{c}": "h" for c in range(finished + 5)}
+        tracemalloc.start()
+        resumed = store.turns_done(hashes, "s")
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return peak, resumed
+
+    short_peak, short = peak_of_resume(100)
+    long_peak, long = peak_of_resume(400)
+    assert sorted(long) == [f"c{c}" for c in range(400, 405)] and all(len(a) == 3 for a in long.values())
+    assert sorted(short) == [f"c{c}" for c in range(100, 105)]
+    assert long_peak <= 1.2 * short_peak, f"{long_peak / 2**20:.1f} MB against {short_peak / 2**20:.1f} MB"

@@ -26,7 +26,7 @@ from regen.chat.templates import TRAIN_TEMPLATES, recipe
 from regen.files import atomic_file, atomic_write_text
 from regen.layout import RunLayout
 from regen.manifest import Manifest
-from regen.rows import asked_thinking, iter_batches, row_messages, row_tools
+from regen.rows import AUDIT_COLUMNS, TEXT_COLUMNS, asked_thinking, iter_batches, row_messages, row_tools
 from regen.training import (TrainLayout, conversation_record, event_records, history_kept, served, training_conversation,
                             training_samples, why_left_out)
 
@@ -104,7 +104,7 @@ def export_sharegpt(data_dir: str | Path | RunLayout, out: str | Path, expect_re
         written += 1
         return (event_records(doc, written - 1, history_kept(row)) if train_layout == "events" else [doc]), None
 
-    return _export(data_dir, out, record, "events" if train_layout == "events" else "conversations")
+    return _export(data_dir, out, record, "events" if train_layout == "events" else "conversations", columns=TEXT_COLUMNS)
 
 
 def export_tokens(data_dir: str | Path | RunLayout, out: str | Path, tokenizer_dir: str | Path,
@@ -168,12 +168,17 @@ def export_tokens(data_dir: str | Path | RunLayout, out: str | Path, tokenizer_d
     return result
 
 
-def _export(data_dir: str | Path | RunLayout, out: str | Path, record, unit: str = "records", samples=None) -> ExportResult:
+# What an export holds in memory at once: a batch of rows as Python objects (rows.record_batches).
+EXPORT_BATCH_BYTES = 256 << 20
+
+
+def _export(data_dir: str | Path | RunLayout, out: str | Path, record, unit: str = "records", samples=None,
+            columns: tuple[str, ...] = AUDIT_COLUMNS) -> ExportResult:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = ExportResult(out, unit=unit)
     with atomic_file(out) as fh:
-        for rows in iter_batches(RunLayout.from_data_arg(data_dir)):
+        for rows in iter_batches(RunLayout.from_data_arg(data_dir), columns=columns, max_batch_bytes=EXPORT_BATCH_BYTES):
             for row in (samples(rows) if samples else rows):
                 docs, reason = record(row)
                 if reason:
@@ -247,7 +252,7 @@ def export_specforge(data_dir: str | Path | RunLayout, out_dir: str | Path, toke
     with (atomic_file(out / RECIPE_CHAT) as chat, atomic_file(out / RECIPE_EVENTS) as events,
           atomic_file(out / RECIPE_AGENTIC) as agentic, atomic_file(out / RECIPE_ERROR) as errors,
           atomic_file(out / RECIPE_SKIPPED) as skipped):
-        for rows in iter_batches(run):
+        for rows in iter_batches(run, columns=TEXT_COLUMNS, max_batch_bytes=EXPORT_BATCH_BYTES):
             for row in rows:
                 if row.get("error") is not None:
                     line(errors, {"id": str(row["id"]), "conversations": [

@@ -88,7 +88,14 @@ def _arrow_type(f) -> pa.DataType:
 
 ROW_SCHEMA = pa.schema([(f.name, _arrow_type(f)) for f in fields(Row)])
 AUDIT_COLUMNS = tuple(f.name for f in fields(Row) if f.metadata["audit"])
+# The engine's token ids: most of a row's bytes (32k ids are 128 KB of Arrow, ~1.2 MB as Python ints);
+# only the audit's certificate and the token export read them.
+TOKEN_COLUMNS = ("prompt_token_ids", "completion_token_ids", "turns")
+TEXT_COLUMNS = tuple(c for c in AUDIT_COLUMNS if c not in TOKEN_COLUMNS)
 REQUIRED_COLUMNS = ("id", "messages", "content")  # a user's own Parquet may hold only these
+# A row as Python objects holds up to this many times its Arrow bytes (an int32 id becomes an int
+# object and a list slot: 36 bytes for 4; text about 1x): batches are sized by it.
+PYTHON_BYTES_PER_ARROW_BYTE = 10
 
 
 def row_messages(row: dict) -> list[dict]:
@@ -122,8 +129,24 @@ def asked_thinking(row: dict, default: bool) -> bool:
     return default if thinking is None else bool(thinking)
 
 
-def iter_batches(layout: RunLayout, batch_size: int = 512) -> Iterator[list[dict]]:
-    """Rows in batches, one file at a time: memory holds one batch, however large the data."""
+def arrow_bytes_per_row(parquet, columns: list[str]) -> float:
+    """The uncompressed bytes of a row's ``columns``, from the file's footer (nothing read)."""
+    meta = parquet.metadata
+    if not meta.num_rows:
+        return 0.0
+    total = 0
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        total += sum(group.column(c).total_uncompressed_size for c in range(group.num_columns)
+                     if group.column(c).path_in_schema.split(".")[0] in columns)
+    return total / meta.num_rows
+
+
+def record_batches(layout: RunLayout, batch_size: int = 512, columns: tuple[str, ...] = AUDIT_COLUMNS,
+                   max_batch_bytes: int | None = None) -> Iterator[pa.RecordBatch]:
+    """The data's ``columns`` (those it has) in Arrow batches, one file at a time: at most
+    ``batch_size`` rows, and fewer where their Python objects would pass ``max_batch_bytes``
+    (a row of 32k-token ids is ~1.2 MB of them): memory holds one batch, however large the rows."""
     files = layout.data_files()
     if not files:
         raise DataError(f"{layout.data}: no Parquet files to read")
@@ -133,9 +156,19 @@ def iter_batches(layout: RunLayout, batch_size: int = 512) -> Iterator[list[dict
         missing = set(REQUIRED_COLUMNS) - set(names)
         if missing:
             raise DataError(f"{path}: the data has no column(s) {sorted(missing)}")
-        wanted = [c for c in AUDIT_COLUMNS if c in names]
-        for batch in parquet.iter_batches(batch_size=batch_size, columns=wanted):
-            yield batch.to_pylist()
+        wanted = [c for c in columns if c in names]
+        rows = batch_size
+        if max_batch_bytes:
+            row_bytes = arrow_bytes_per_row(parquet, wanted) * PYTHON_BYTES_PER_ARROW_BYTE
+            rows = max(1, min(batch_size, int(max_batch_bytes // max(row_bytes, 1))))
+        yield from parquet.iter_batches(batch_size=rows, columns=wanted)
+
+
+def iter_batches(layout: RunLayout, batch_size: int = 512, columns: tuple[str, ...] = AUDIT_COLUMNS,
+                 max_batch_bytes: int | None = None) -> Iterator[list[dict]]:
+    """:func:`record_batches` as rows."""
+    for batch in record_batches(layout, batch_size, columns, max_batch_bytes):
+        yield batch.to_pylist()
 
 
 def count_rows(layout: RunLayout) -> int:

@@ -78,8 +78,8 @@ class Journal:
                         self.path, exc.strerror or exc)
 
     @staticmethod
-    def rows(path: Path, partial: bool = False) -> Iterator[dict]:
-        """The finished rows, or with ``partial`` the turn rows."""
+    def rows(path: Path, partial: bool | None = False) -> Iterator[dict]:
+        """The finished rows, or with ``partial`` the turn rows (None: both, in order)."""
         if not path.exists():
             return
         with open(path, "rb") as fh:
@@ -88,7 +88,7 @@ class Journal:
                     row = json.loads(raw)
                 except json.JSONDecodeError:
                     continue
-                if bool(row.get("partial")) is partial:
+                if partial is None or bool(row.get("partial")) is partial:
                     yield row
 
 
@@ -201,11 +201,17 @@ class ShardStore:
         """A journal row of this run that no sealed row holds: a local shard keeps it there."""
 
     def turns_done(self, hashes: dict[str, str], settings_hash: str) -> dict[str, list[dict]]:
-        """Per conversation cut mid-way in an earlier attempt: the answers of its finished turns."""
+        """Per conversation cut mid-way in an earlier attempt: the answers of its finished turns.
+        A conversation's turns are dropped once a row settles it, so memory holds only what the
+        unfinished ones need, however long the journal (turns carry their token ids)."""
         rows: dict[str, list[dict]] = {}
-        for row in Journal.rows(self.journal_path, partial=True):
-            if of_this_run(row, hashes, settings_hash):
+        for row in Journal.rows(self.journal_path, partial=None):
+            if not of_this_run(row, hashes, settings_hash):
+                continue
+            if row.get("partial"):
                 rows.setdefault(row["id"], []).append(row)
+            elif row.get("error") is None or not row.get("retryable", False):
+                rows.pop(row["id"], None)
         return {i: resumed_answers(r) for i, r in rows.items()}
 
     def complete(self, ids: list[str], settled: set[str], file_ids: set[str]) -> bool:

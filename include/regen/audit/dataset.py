@@ -36,7 +36,7 @@ from regen.progress import RunProgress
 from regen.prompts import shard_of
 from regen.card import write_card
 from regen.results import AuditResult
-from regen.rows import count_rows, iter_batches
+from regen.rows import count_rows, iter_batches, record_batches
 from regen.training import training_samples
 
 log = logging.getLogger("regen.audit")
@@ -91,11 +91,11 @@ class Provenance:
             if self.settings_hash and row.get("settings_hash", self.settings_hash) != self.settings_hash:
                 result["findings"].append("foreign_settings")
 
-    def reading(self, batches: Iterable[list[dict]]) -> Iterator[list[dict]]:
+    def reading(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         """The data's batches, each id noted on the way (failed rows too, which make no sample)."""
-        for rows in batches:
-            self.seen.update(row["id"] for row in rows)
-            yield rows
+        for batch in batches:
+            self.seen.update(batch.column("id").to_pylist())
+            yield batch
 
     def missing(self) -> list[str]:
         """The manifest's prompts of each published shard that have no row in the data."""
@@ -167,9 +167,9 @@ def _worker_init(tokenizer_dir: str, thresholds: AuditThresholds, default_thinki
     _worker_state = (load_tokenizer(tokenizer_dir), thresholds, default_thinking)
 
 
-def _worker_audit(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+def _worker_audit(batch: pa.RecordBatch) -> tuple[list[dict], list[dict]]:
     tokenizer, thresholds, default_thinking = _worker_state
-    return _audit_samples(rows, tokenizer, thresholds, default_thinking)
+    return _audit_record_batch(batch, tokenizer, thresholds, default_thinking)
 
 
 def _audit_samples(rows: list[dict], tokenizer, thresholds: AuditThresholds,
@@ -178,50 +178,95 @@ def _audit_samples(rows: list[dict], tokenizer, thresholds: AuditThresholds,
     return samples, audit_batch(samples, tokenizer, thresholds, default_thinking)
 
 
+def _audit_record_batch(batch: pa.RecordBatch, tokenizer, thresholds: AuditThresholds,
+                        default_thinking: bool) -> tuple[list[dict], list[dict]]:
+    """A batch's (samples, results), the samples without their token ids: what the report needs,
+    without sending the batch's largest part back (Arrow crosses to a worker at 4 bytes an id,
+    Python lists at 36)."""
+    samples, results = _audit_samples(batch.to_pylist(), tokenizer, thresholds, default_thinking)
+    return [_without_ids(sample) for sample in samples], results
+
+
+_ID_FIELDS = ("prompt_token_ids", "completion_token_ids")
+
+
+def _without_ids(sample: dict) -> dict:
+    """The sample without the engine's token ids, its turns' included (their count stays)."""
+    out = {k: v for k, v in sample.items() if k not in _ID_FIELDS}
+    if out.get("turns"):
+        out["turns"] = [{k: v for k, v in turn.items() if k not in _ID_FIELDS} for turn in out["turns"]]
+    return out
+
+
 def _samples(rows: list[dict], thresholds: AuditThresholds, default_thinking: bool) -> list[dict]:
     return training_samples(rows, thresholds.train_layout, default_thinking,
                             TRAIN_TEMPLATES[thresholds.train_template].keeps_reasoning)
 
 
-def audited_batches(batches: Iterable[list[dict]], tokenizer_dir: str, thresholds: AuditThresholds,
+def audited_batches(batches: Iterable[pa.RecordBatch], tokenizer_dir: str, thresholds: AuditThresholds,
                     default_thinking: bool, workers: int) -> Iterator[tuple[list[dict], list[dict]]]:
     """(samples, results) of each batch of rows, in order (a sample per row, or per assistant
     turn in the events layout); with ``workers`` > 1, batches are audited in that many processes
     (regen.childpool: they run inside an Airflow task too), at most two batches per worker in
-    flight so memory stays bounded."""
+    flight, as Arrow, so memory stays bounded."""
     if workers <= 1:
         tokenizer = load_tokenizer(tokenizer_dir)
-        for rows in batches:
-            yield _audit_samples(rows, tokenizer, thresholds, default_thinking)
+        for batch in batches:
+            yield _audit_record_batch(batch, tokenizer, thresholds, default_thinking)
         return
     with ChildPool(workers, "regen.audit.dataset:_worker_audit", "regen.audit.dataset:_worker_init",
                    (tokenizer_dir, thresholds, default_thinking)) as pool:
         pending: deque = deque()
-        for rows in batches:
-            pending.append(pool.submit(rows))
+        for batch in batches:
+            pending.append(pool.submit(batch))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
 
 
+# The audit's memory (audit_memory_gb): its own process and each worker before a batch (Python,
+# pyarrow, transformers, a tokenizer; ~85 MB measured with the demo's), and a batch in a worker as
+# Python objects three times over (its rows, their samples and results, the pickles both ways).
+MAIN_BASE_BYTES = 600 << 20
+WORKER_BASE_BYTES = 250 << 20
+BATCH_COPIES = 3
+MIN_BATCH_BYTES = 16 << 20
+
+
+def memory_plan(memory_bytes: float, workers: int) -> tuple[int, int]:
+    """(workers, bytes of one batch as Python objects) within ``memory_bytes``: fewer workers than
+    asked when their start and a batch each would not fit; the batch as large as what is left allows."""
+    spare = max(memory_bytes - MAIN_BASE_BYTES, 0)
+    fit = int(spare // (WORKER_BASE_BYTES + BATCH_COPIES * MIN_BATCH_BYTES))
+    workers = max(1, min(workers, fit))
+    if workers > 1:
+        spare -= workers * WORKER_BASE_BYTES
+    return workers, max(int(spare // (BATCH_COPIES * workers + 1)), 1)
+
+
 def audit_dataset(data: str | Path | RunLayout, tokenizer_dir: str | Path, report_dir: str | Path,
                   thresholds: AuditThresholds, default_thinking: bool = True,
-                  batch_size: int = 512, workers: int | None = None) -> AuditReport:
+                  batch_size: int = 512, workers: int | None = None, memory_gb: float = 8.0) -> AuditReport:
     """``data``: an output directory or its data/. ``workers``: processes to audit with; default
-    every core once the data is large enough to pay for their start-up (a few seconds each)."""
+    every core once the data is large enough to pay for their start-up (a few seconds each), as
+    many as ``memory_gb`` holds with their batches (sized by bytes, not rows)."""
     layout = data if isinstance(data, RunLayout) else RunLayout.from_data_arg(data)
     files = AuditFiles(Path(report_dir))
     files.root.mkdir(parents=True, exist_ok=True)
     rows = count_rows(layout)
     if workers is None:
         workers = (os.cpu_count() or 1) if rows >= 8 * batch_size else 1
+    asked = workers
+    workers, batch_bytes = memory_plan(memory_gb * (1 << 30), workers)
     thresholds = resolved(thresholds, load_tokenizer(str(tokenizer_dir)))
-    log.info("auditing %s rows in %d worker process(es)", f"{rows:,}", workers)
+    log.info("auditing %s rows in %d worker process(es)%s, batches of at most %d MB as Python objects "
+             "(audit_memory_gb %s)", f"{rows:,}", workers,
+             f" (of {asked} asked: memory)" if workers < asked else "", batch_bytes >> 20, memory_gb)
     summary = AuditSummary()
     seen: set[str] = set()
     provenance = Provenance(layout)
-    batches = provenance.reading(iter_batches(layout, batch_size))
+    batches = provenance.reading(record_batches(layout, batch_size, max_batch_bytes=batch_bytes))
     with atomic_path(files.samples_parquet) as samples_tmp, \
             pq.ParquetWriter(samples_tmp, SAMPLE_SCHEMA, compression="zstd") as writer:
         for samples, results in audited_batches(batches, str(tokenizer_dir), thresholds,
@@ -242,6 +287,10 @@ def audit_dataset(data: str | Path | RunLayout, tokenizer_dir: str | Path, repor
     return audit_report
 
 
+# What the viewer's pass over the data holds at once.
+VIEW_BATCH_BYTES = 256 << 20
+
+
 def sample_views(layout: RunLayout, samples: Path, tokenizer_dir: str, thresholds: AuditThresholds,
                  default_thinking: bool = True) -> list[dict]:
     """The samples viewer's conversations (regen.audit.viewer): one more pass over the data for them."""
@@ -251,7 +300,7 @@ def sample_views(layout: RunLayout, samples: Path, tokenizer_dir: str, threshold
         if s["id"] in why:
             results.setdefault(s["id"], s)
     rows: dict[str, dict] = {}
-    for batch in iter_batches(layout):
+    for batch in iter_batches(layout, max_batch_bytes=VIEW_BATCH_BYTES):
         for row in _samples(batch, thresholds, default_thinking):
             if row["id"] in why:
                 rows.setdefault(row["id"], row)
@@ -265,7 +314,8 @@ def audit(cfg: RunConfig, data: str | None = None, tokenizer: str | None = None,
     layout = RunLayout.from_data_arg(data, cfg.work_dir) if data else cfg.layout
     result = audit_dataset(layout, tokenizer or cfg.model_path,
                            Path(report_dir) if report_dir else layout.audit.root,
-                           AuditThresholds.from_config(cfg), default_thinking=cfg.enable_thinking)
+                           AuditThresholds.from_config(cfg), default_thinking=cfg.enable_thinking,
+                           memory_gb=cfg.audit.audit_memory_gb)
     doc = result.to_json()
     RunProgress(layout).write_section("audit", doc)
     rows = count_rows(layout)

@@ -357,6 +357,11 @@ class AuditOptions(Options):
         description="Keep rows made by servers that differ in engine, version, parsers or chat template "
         "(each row records what made it): a dataset regenerated across an image upgrade on purpose. Off: the "
         "audit fails such a mix as foreign_settings, naming each.")
+    audit_memory_gb: float = Field(
+        8.0, ge=0.5, title="Audit memory (GB)",
+        description="The audit's memory, its worker processes included: it starts as many workers as fit "
+        "(at most one per core) and sizes its batches by bytes, so rows of 32k-token answers with the "
+        "engine's token ids stay within it. The default leaves most of a 24 GB node to the rest.")
     max_divergence_fraction: float = Field(
         0.05, ge=0, le=1, title="Max divergence fraction",
         description="The audit fails the run when more agentic rows than this ended early because the model "
