@@ -261,3 +261,34 @@ def test_the_run_pages_data_reads_no_file_through_a_symlink_and_within_bounds(tm
     points = run_data(layout)["history"]
     assert points[-1]["t"] == 199_999 and len(points) == 2000
     assert time.monotonic() - started < 5
+
+
+def test_a_multi_day_runs_history_spans_the_whole_run_within_a_bounded_file(tmp_path, monkeypatch):
+    """A day of points every 5 s (17,280; a multi-day run thins the same way): the file stays
+    within HISTORY_POINTS lines, the chart starts at the run's start and ends now, the last
+    minutes keep every point, older hours are thinned evenly, never dropped."""
+    import json
+
+    from regen import progress
+    from regen.layout import RunLayout
+    from regen.progress import HISTORY_POINTS, HISTORY_RECENT, RunProgress
+    from regen.status import run_data
+
+    DAY = 86_400
+    layout = RunLayout(tmp_path / "out")
+    layout.history.parent.mkdir(parents=True)
+    start = progress.time.time() + 60  # ahead of the file's real mtime, which gates a point every_s
+    now = [start]
+    monkeypatch.setattr(progress.time, "time", lambda: now[0])
+    writer = RunProgress(layout)
+    for i in range(DAY // 5):
+        now[0] = start + 5 * i
+        writer._append_history({"done": i, "failed": 0, "total": 10**6, "tokens_per_s": 1.0}, every_s=0)
+    lines = layout.history.read_text().splitlines()
+    assert len(lines) <= HISTORY_POINTS and layout.history.stat().st_size < 256 * 1024
+    points = [json.loads(line) for line in lines]
+    assert points[0]["done"] == 0 and points[-1]["done"] == DAY // 5 - 1  # start to now
+    times = [p["t"] for p in points]
+    assert times == sorted(times) and all(round(b - a, 1) == 5 for a, b in zip(times[-HISTORY_RECENT:], times[-HISTORY_RECENT + 1:]))
+    assert max(b - a for a, b in zip(times, times[1:])) <= 4 * DAY / (HISTORY_POINTS // 2)  # evenly thinned
+    assert [p["t"] for p in run_data(layout)["history"]] == times  # the page draws all of it

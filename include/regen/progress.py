@@ -13,10 +13,17 @@ import logging
 import time
 from pathlib import Path
 
-from regen.files import atomic_write_json, read_json
+from regen.files import atomic_write_json, atomic_write_text, read_json
 from regen.layout import RunLayout, is_shard_key, shard_key
 
 log = logging.getLogger("regen.progress")
+
+# The throughput history holds at most this many points over the whole run: once past it, the
+# points before the newest HISTORY_RECENT keep one in two (older hours thinned again and again), so a
+# multi-day run's chart starts at its start, its file stays ~200 KB, and the last minutes keep 5 s.
+HISTORY_POINTS = 2000
+HISTORY_RECENT = 500
+HISTORY_LINE_BYTES = 64  # fewer than a point's line (~85): a file past POINTS of them is counted
 
 
 class RunProgress:
@@ -91,3 +98,32 @@ class RunProgress:
         point = {k: summary[k] for k in ("done", "failed", "total", "tokens_per_s")}
         with open(path, "a") as fh:
             fh.write(json.dumps({"t": round(time.time(), 1), **point}) + "\n")
+        if path.stat().st_size > HISTORY_POINTS * HISTORY_LINE_BYTES:
+            thin_history(path)
+
+
+def thin_history(path: Path) -> None:
+    """Once the file holds more than HISTORY_POINTS points: the newest HISTORY_RECENT kept, and of
+    those before them the first of each of HISTORY_POINTS / 2 equal spans of time (the run's start
+    included), so the whole run stays drawn at an even resolution that coarsens as it runs."""
+    lines = path.read_text().splitlines(keepends=True)
+    if len(lines) <= HISTORY_POINTS:
+        return
+    older, recent = lines[:-HISTORY_RECENT], lines[-HISTORY_RECENT:]
+    times = []
+    for line in older:
+        try:
+            times.append(float(json.loads(line)["t"]))
+        except (ValueError, KeyError, TypeError):
+            times.append(None)  # a cut line: dropped
+    known = [t for t in times if t is not None]
+    if not known:
+        atomic_write_text(path, "".join(recent))
+        return
+    start, width = known[0], max((known[-1] - known[0]) / (HISTORY_POINTS // 2), 1e-9)
+    kept, seen = [], set()
+    for line, t in zip(older, times):
+        if t is not None and (span := int((t - start) // width)) not in seen:
+            seen.add(span)
+            kept.append(line)
+    atomic_write_text(path, "".join(kept + recent))

@@ -11,15 +11,15 @@ from typing import Any
 from regen.config import RunConfig
 from regen.files import json_lines, read_in_folder
 from regen.layout import RunLayout
+from regen.progress import HISTORY_POINTS
 from regen.results import RunStatus
 from regen.servers.records import read_state
 from regen.units import format_duration
 
-HISTORY_POINTS = 2000
 # What one poll of the run page reads at most, per file: a progress document of thousands of
 # shards fits; a planted link to a device or a huge file costs no more than this.
 DOCUMENT_MAX_BYTES = 16 * 2**20
-HISTORY_MAX_BYTES = 2 * 2**20  # the history's last lines: HISTORY_POINTS of them fit
+HISTORY_MAX_BYTES = 2 * 2**20  # the history's last lines: far more than HISTORY_POINTS of them fit
 
 
 def _document(layout: RunLayout, path: Path) -> Any:
