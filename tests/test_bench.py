@@ -24,6 +24,7 @@ TINY = {
     "bench_objectstore.py": ["--rows", "2000", "--part-rows", "500", "--rounds", "1"],
     "bench_preflight.py": ["--prompts", "2000"],
     "bench_resume.py": ["--prompts", "2000", "--shards", "4"],
+    "bench_scale.py": ["--prompts", "600", "--id-rows", "20", "--shards", "2"],
     "bench_share.py": ["--prompts", "60", "--rounds", "1"],
     "bench_stage.py": ["--shards", "2", "--shard-mb", "4", "--rounds", "1"],
 }
