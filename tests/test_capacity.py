@@ -74,7 +74,7 @@ def test_the_dry_run_shows_what_limits_a_qwen36_server_and_the_flags_that_raise_
     config.write_text(cfg.model_dump_json())
     caps = {}
     for gpu in ("H200", "B200"):
-        out = subprocess.run([str(Path(sys.executable).parent / "regen"), "serve", "--config", str(config), "--dry-run", "--gpu", gpu],
+        out = subprocess.run([str(Path(sys.executable).parent / "regen"), "serve", "--config", str(config), "--dry-run", "--json", "--gpu", gpu],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         planned = json.loads(out.stdout)
@@ -192,7 +192,7 @@ def test_the_seeds_launch_is_planned_and_its_seven_requests_per_server_are_named
                 speculative_num_draft_tokens=4, max_running_requests=48, max_mamba_cache_size=80)
     config = tmp_path / "run.yaml"
     config.write_text(make_config(concurrency_per_server=7, **seed).model_dump_json())
-    out = subprocess.run([str(Path(sys.executable).parent / "regen"), "serve", "--config", str(config), "--dry-run",
+    out = subprocess.run([str(Path(sys.executable).parent / "regen"), "serve", "--config", str(config), "--dry-run", "--json",
                           "--gpu", "B200"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     point = json.loads(out.stdout)["operating_point"]

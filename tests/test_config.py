@@ -98,6 +98,26 @@ def test_cli_flags_override_the_yaml_with_the_same_names():
     assert cfg.num_shards == 4  # from the YAML
 
 
+def test_each_flags_help_is_the_schemas_description_default_and_choices(monkeypatch):
+    """`regen audit --help` says what a field does, its default and its choices (the same schema
+    as the Params), not its title alone."""
+    import contextlib
+    import io
+    import re
+
+    from regen.config import run_fields
+
+    monkeypatch.setenv("COLUMNS", "100000")  # one line per flag: no wrapping inside a word
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        build_parser().parse_args(["audit", "--help"])
+    text = re.sub(r"\s+", " ", out.getvalue())
+    engine = run_fields()["engine"].info
+    assert re.sub(r"\s+", " ", engine.description.rstrip(".")) in text
+    assert "Choices: sglang, vllm, sim. Default: sim" in text
+    assert "Default: 0.02" in text.split("--max-loop-fraction")[-1].split("--")[0]
+
+
 def test_a_broken_config_file_never_repeats_a_value_that_may_be_the_key(tmp_path):
     """Import Errors show a broken deployment file's message to every viewer."""
     from regen.config.fields import ConfigError

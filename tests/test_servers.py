@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -34,6 +35,11 @@ def test_start_health_and_stop_leave_no_process_or_port(make_config):
         assert session_pids(r.pid) == []
         assert port_is_free(cfg.servers.host, r.port)
     assert stop_recorded(layout)[0] == 0  # a second teardown is harmless
+    from regen.servers.lifecycle import server_logs
+
+    after = server_logs(cfg, lines=5)  # a post-mortem after teardown still reads what they wrote
+    assert after.servers == 2 and "server-0 (stopped)" in after.logs and "server-1 (stopped)" in after.logs
+    assert layout.server_log(0).read_text().splitlines()[-1] in after.logs
 
 
 def test_start_is_idempotent_and_reuses_healthy_servers(sim_servers):
@@ -258,7 +264,7 @@ def test_serve_dry_run_prints_the_plan_and_starts_nothing(make_config, fake_smi,
     cfg = make_config(engine="sglang", tp_size=2, api_key="a-secret-key-1234")
     path = tmp_path / "config.json"
     path.write_text(cfg.model_dump_json())
-    out = subprocess.run([str(Path(sys.executable).parent / "regen"), "serve", "--config", str(path), "--dry-run"],
+    out = subprocess.run([str(Path(sys.executable).parent / "regen"), "serve", "--config", str(path), "--dry-run", "--json"],
                          capture_output=True, text=True, timeout=120, env=os.environ)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
@@ -272,6 +278,11 @@ def test_serve_dry_run_prints_the_plan_and_starts_nothing(make_config, fake_smi,
     assert not RunLayout(cfg.output).servers_state.exists()
     assert processes_with_args("--port", str(cfg.servers.base_port)) == []
     assert run_preflight(cfg, code=False).info["servers"] == doc["servers"]
+    plan = subprocess.run([str(Path(sys.executable).parent / "regen"), "serve", "--config", str(path), "--dry-run"],
+                          capture_output=True, text=True, timeout=120, env=os.environ)
+    lines = plan.stdout.splitlines()  # for people: the plan first, a launch line per server to paste
+    assert lines[0].startswith("2 sglang server(s)") and not plan.stdout.lstrip().startswith("{")
+    assert lines[2].strip() == f"CUDA_VISIBLE_DEVICES=2,3 {shlex.join(argv)}"
 
 
 

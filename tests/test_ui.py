@@ -8,6 +8,8 @@ run-page-audit-failed.png and run-page-stopped.png.
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -81,6 +83,15 @@ def test_the_status_and_regen_summary_say_what_failed_and_what_to_do(sim_servers
     assert "HTTP 500" in shard["details"][1]
     assert shard["next"].startswith("the servers failed on these requests: read their logs")
     assert shard["next"].endswith("each resumes from what it finished")
+    config = tmp_path / "faults.yaml"
+    config.write_text(faulty.to_yaml())
+    out = subprocess.run([str(BIN / "regen"), "progress", "--config", str(config)], capture_output=True, text=True)
+    lines = out.stdout.splitlines()  # for people by default: a few lines, the failure and what to do
+    assert out.returncode == 0 and lines[0].startswith("rows:    ") and "shards:  1 failed" in out.stdout
+    assert "! 1 shard failed (0/1)" in out.stdout and "audit:   not run yet" in out.stdout and len(lines) < 12
+    machine = subprocess.run([str(BIN / "regen"), "progress", "--config", str(config), "--json"],
+                             capture_output=True, text=True)
+    assert json.loads(machine.stdout)["attention"][0]["what"] == "1 shard failed (0/1)"
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import os
 import shlex
 import sys
 import typing
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from regen.pipeline import execute, run
 from regen.preflight import PreflightFailed
 from regen.status import attention, with_stopped_shards
 from regen.tinymodel import build_tiny_model
+from regen.units import format_duration
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -44,7 +46,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (
             continue
         field = flat.info
         flag = "--" + name.replace("_", "-")
-        help_text = field.title or name
+        help_text = _field_help(field)
         base = _base_type(field.annotation)
         if base is bool:
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
@@ -62,6 +64,17 @@ def _add_config_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (
             nullable = type(None) in typing.get_args(field.annotation) and field.default is not None
             group.add_argument(flag, dest=name, default=None, type=_or_none(kind) if nullable else kind,
                                help=help_text + (" ('none': unset)" if nullable else ""))
+
+
+def _field_help(field) -> str:
+    """The schema's description of a field, its default and its choices (argparse's % escaped)."""
+    text = (field.description or field.title or "").rstrip(".")
+    choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else ()
+    if choices:
+        text += f". Choices: {', '.join(map(str, choices))}"
+    if field.default_factory is None and field.default is not None and field.default != "":
+        text += f". Default: {field.default}"
+    return text.replace("%", "%%")
 
 
 class _Unset:
@@ -154,13 +167,19 @@ def cmd_serve(args) -> int:
     cfg = load_config(args)
     if args.dry_run:
         planned = run("server_plan", cfg, model_path=args.served_model_path, gpu=args.gpu)
-        print(planned.model_dump_json(indent=1))
+        if args.json:
+            print(planned.model_dump_json(indent=1))
+        else:
+            print(f"{len(planned.servers)} {cfg.engine} server(s); each launches as (paste to run it by hand):")
+            for server in planned.servers:
+                devices = f"CUDA_VISIBLE_DEVICES={server.cuda_visible_devices} " if server.cuda_visible_devices else ""
+                print(f"  server {server.index}, port {server.port}:\n    {devices}{shlex.join(server.argv)}")
         for line in (planned.operating_point or {}).get("summary") or [(planned.operating_point or {}).get("problem")]:
             if line:
                 print(f"per server: {line}", file=sys.stderr)
         return 0
     if args.stop:
-        print(run("stop_servers", cfg, run_id=args.run_id, every=args.every).summary)
+        print(run("stop_servers", cfg, run_id=args.run_id, every=args.every, log_summary=False).summary)
         return 0
     for url in run("start_servers", cfg, served_model_path=args.served_model_path, run_id=args.run_id).urls:
         print(url)
@@ -170,8 +189,8 @@ def cmd_serve(args) -> int:
 
 
 def cmd_logs(args) -> int:
-    result = run("server_logs", load_config(args), lines=args.lines)
-    print(result.logs or "no servers recorded")
+    result = run("server_logs", load_config(args), lines=args.lines, log_summary=False)
+    print(result.summary)
     return 0 if result.logs else EXIT_FAILED
 
 
@@ -199,7 +218,7 @@ def cmd_generate(args) -> int:
 def cmd_audit(args) -> int:
     try:
         doc = run("audit", load_config(args), data=args.data, tokenizer=args.tokenizer,
-                  report_dir=args.report).model_dump(mode="json")
+                  report_dir=args.report, log_summary=False).model_dump(mode="json")
     except AuditFailed as exc:
         doc = exc.summary
     for line in doc.get("summary") or []:
@@ -260,8 +279,24 @@ def cmd_config(args) -> int:
 
 
 def cmd_progress(args) -> int:
-    """What the run page shows, as JSON."""
-    print(run("status", load_config(args)).model_dump_json())
+    """What the run page shows: a few lines, or its whole document with --json."""
+    status = run("status", load_config(args))
+    if args.json:
+        print(status.model_dump_json())
+        return 0
+    progress = status.progress
+    shards = Counter(s.get("state", "?") for s in (progress.get("shards") or {}).values())
+    eta = progress.get("eta_s")
+    print(f"rows:    {status.summary} of {status.output}")
+    print(f"speed:   {progress.get('tokens_per_s', 0):,.0f} tok/s now" + (f", ETA {format_duration(eta)}" if eta else ""))
+    if shards:
+        print("shards:  " + ", ".join(f"{n} {state}" for state, n in sorted(shards.items())))
+    for node in status.nodes:
+        print(f"node {node['node']}: {len(node['servers'])} server(s) recorded, {node['shards_running']} shard(s) running")
+    audit = status.audit
+    print("audit:   " + (f"{audit.get('verdict')}: " + "; ".join(audit.get("summary", [])[:1]) if audit else "not run yet"))
+    for item in status.attention:
+        print(f"! {item['what']}\n    next: {item['next']}")
     return 0
 
 
@@ -325,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--every", action="store_true", help="with --stop: every recorded server, "
                    "whichever run owns it")
     p.add_argument("--dry-run", action="store_true", help="print the plan (each server's port, GPUs and "
-                   "command) as JSON and start nothing")
+                   "launch line) and start nothing")
+    p.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON")
     p.add_argument("--gpu", help="with --dry-run: plan each server's concurrency on this GPU (H100, H200, "
                    "B200, or its memory in MiB; default: the node's own)")
     p.set_defaults(func=cmd_serve)
@@ -382,8 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one line of JSON, e.g. for `airflow dags test --conf`")
     p.set_defaults(func=cmd_config)
 
-    p = sub.add_parser("progress", help="progress, throughput history and audit summary as JSON")
+    p = sub.add_parser("progress", help="rows, speed, shards and the audit's verdict (--json: the run page's whole document)")
     _add_config_flags(p)
+    p.add_argument("--json", action="store_true", help="the run page's document: progress, history, audit, nodes")
     p.set_defaults(func=cmd_progress)
 
     p = sub.add_parser("summary", help="where the outputs are, and the audit summary")

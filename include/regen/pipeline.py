@@ -48,10 +48,11 @@ def log_group(title: str):
 
 
 def run(name: str, cfg: RunConfig, node: str | None = None, run_id: str | None = None,
-        **kwargs: Any) -> StageResult:
+        log_summary: bool = True, **kwargs: Any) -> StageResult:
     """Run the stage ``name`` where its placement says; its result, or its RegenError raised.
     ``node``: which of the run's nodes, for a per-node stage (default: the run's first node).
-    ``run_id``: the DAG run that owns what the stage starts (the CLI's own is "cli")."""
+    ``run_id``: the DAG run that owns what the stage starts (the CLI's own is "cli").
+    ``log_summary``: off where the caller prints the summary itself (a command's one summary)."""
     entry = stage(name)
     if entry.takes_run_id and run_id is not None:
         kwargs["run_id"] = run_id
@@ -70,8 +71,9 @@ def run(name: str, cfg: RunConfig, node: str | None = None, run_id: str | None =
         if entry.where is Where.AFTER_GENERATION and run_id is not None:
             _stop_servers_shards_started(cfg, run_id)
         result = _run_at(entry, cfg, kwargs)
-    for line in result.summary_lines():
-        log.info("%s", line)
+    if log_summary:
+        for line in result.summary_lines():
+            log.info("%s", line)
     return result
 
 

@@ -337,9 +337,16 @@ def stop_servers(cfg: RunConfig, run_id: str = "cli", every: bool = False) -> Se
 
 
 def server_logs(cfg: RunConfig, lines: int = 40) -> ServerLogs:
-    """The last lines of every recorded server's log."""
+    """The last lines of every recorded server's log; once the servers are stopped (no record
+    left), of the logs they left in the servers folder: what a post-mortem needs."""
     records = read_state(cfg.layout)
-    text = "\n".join(f"==> server {r.index} (port {r.port}, pid {r.pid}): {r.log_path}\n"
-                     f"{log_tail(r.log_path, lines)}" for r in records)
-    return ServerLogs(servers=len(records), logs=text,
-                      summary=text or f"no servers recorded in {cfg.layout.servers}")
+    if records:
+        text = "\n".join(f"==> server {r.index} (port {r.port}, pid {r.pid}): {r.log_path}\n"
+                         f"{log_tail(r.log_path, lines)}" for r in records)
+        count = len(records)
+    else:
+        left = sorted(cfg.layout.servers.glob("server-*.log"), key=lambda p: (len(p.name), p.name))
+        text = "\n".join(f"==> {p.stem} (stopped): {p}\n{log_tail(str(p), lines)}" for p in left)
+        count = len(left)
+    return ServerLogs(servers=count, logs=text,
+                      summary=text or f"no server logs in {cfg.layout.servers} (no server started for this output)")
