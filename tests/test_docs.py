@@ -1,4 +1,6 @@
-"""README tells the truth: every Param and every audit finding is documented, and CI runs README's test command."""
+"""README and the docs site tell the truth: the site builds with --strict (no broken link), its Params
+reference is what the schema writes, every audit finding is documented, and CI runs README's test
+command."""
 
 from __future__ import annotations
 
@@ -15,11 +17,30 @@ from regen.config import run_fields
 from support.paths import ROOT
 
 
-def test_readme_documents_every_param_in_its_section():
+DOCS = ROOT / "docs"
+
+
+def test_the_params_reference_is_what_the_schema_writes():
+    """docs/params.md is `make docs`'s output of the schema: a field added, renamed or described
+    anew without `make docs` fails here."""
+    from regen.config.reference import params_reference
+
+    page = (DOCS / "params.md").read_text()
+    assert page == params_reference(), "docs/params.md differs from the schema: run `make docs`"
+    documented = {name: section for section, name in re.findall(r"^\| (\w+) \| `(\w+)` \|", page, flags=re.M)}
+    assert list(documented.items()) == [(name, field.section) for name, field in run_fields().items()]
+
+
+def test_the_docs_site_builds_strict_and_readme_links_only_to_what_exists(tmp_path):
+    """mkdocs --strict: a link to a page or an anchor that does not exist fails the build (about 2 s)."""
+    built = subprocess.run([str(Path(sys.executable).parent / "mkdocs"), "build", "--strict", "--quiet",
+                            "--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    assert (tmp_path / "site" / "params" / "index.html").exists()
     readme = (ROOT / "README.md").read_text()
-    documented = {name: section for section, name in re.findall(r"^\| (\w+) \| `(\w+)` \|", readme, flags=re.M)}
-    assert documented == {name: field.section for name, field in run_fields().items()}
-    assert list(documented) == list(run_fields())  # in the schema's order
+    targets = [t for t in re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", readme) if not t.startswith("http")]
+    assert targets and [t for t in targets if not (ROOT / t).exists()] == []
 
 
 def test_ci_runs_the_readme_test_command():
@@ -29,17 +50,17 @@ def test_ci_runs_the_readme_test_command():
     assert ci[-1] == "make test"
 
 
-def test_readme_documents_every_audit_finding_in_the_codes_order():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### The audit's findings", 1)[1].split("\n### ", 1)[0]
+def test_the_docs_document_every_audit_finding_in_the_codes_order():
+    page = (DOCS / "outputs.md").read_text()
+    section = page.split("## The audit's findings", 1)[1].split("\n## ", 1)[0]
     assert re.findall(r"^\| `(\w+)` \|", section, flags=re.M) == list(FINDINGS)
 
 
-def test_readmes_operating_point_example_is_what_the_dry_run_prints(tmp_path):
-    """README's `regen serve --dry-run --gpu H200` lines, run on README's own run.yaml with the
-    Qwen3.6-shaped fixture as its model (the example was once 0.827 / 524,206 / 22 against the
+def test_the_docs_operating_point_example_is_what_the_dry_run_prints(tmp_path):
+    """docs/gpus.md's `regen serve --dry-run --gpu H200` lines, run on the page's own run.yaml with
+    the Qwen3.6-shaped fixture as its model (the example was once 0.827 / 524,206 / 22 against the
     code's 0.841 / 535,886 / 23)."""
-    readme = (ROOT / "README.md").read_text()
+    readme = (DOCS / "gpus.md").read_text()
     run_yaml = yaml.safe_load(readme.split("# run.yaml\n", 1)[1].split("```", 1)[0])
     command = "$ regen serve --config run.yaml --dry-run --gpu H200\n"
     shown = readme.split(command, 1)[1].split("```", 1)[0].splitlines()

@@ -2,7 +2,7 @@
 
 One module (or package) per stage, named in regen.stages: preflight, weights, servers, canary,
 generate, audit, status. regen.pipeline is the one seam every caller goes through (the DAG's
-tasks, `regen.cli`); the README's module map places every module in its layer.
+tasks, `regen.cli`); the module map (docs/architecture.md) places every module in its layer.
 """
 
 __version__ = "0.1.0"

@@ -273,6 +273,11 @@ def cmd_run_stage(args) -> int:
 
 
 def cmd_config(args) -> int:
+    if args.params_reference:
+        from regen.config.reference import params_reference
+
+        print(params_reference(), end="")
+        return 0
     cfg = load_config(args)
     print(cfg.model_dump_json() if args.json else cfg.to_yaml(), end="\n" if args.json else "")
     return 0
@@ -416,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the validated config (YAML, or JSON for --conf)")
     _add_config_flags(p)
     p.add_argument("--json", action="store_true", help="one line of JSON, e.g. for `airflow dags test --conf`")
+    p.add_argument("--params-reference", action="store_true",
+                   help="the Params reference page (docs/params.md), written from the schema")
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("progress", help="rows, speed, shards and the audit's verdict (--json: the run page's whole document)")

@@ -25,7 +25,7 @@ class ConfigError(RegenError, ValueError):
 
 class Options(BaseModel):
     """A group of the run's fields. ``section``: where its fields show in the trigger form and
-    README (a field may name its own); ``flat_prefix`` and ``flat_names``: their flat names."""
+    the Params reference (a field may name its own); ``flat_prefix`` and ``flat_names``: their flat names."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
     section: ClassVar[str] = "Run"
