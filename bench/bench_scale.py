@@ -172,13 +172,16 @@ def main() -> None:
 
     lines = ["| stage | rows | time | peak memory | per 1k rows | 914k rows, 2 cores | 914k rows, 32 cores | note |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    def duration(s: float) -> str:
+        return f"{s / 3600:.1f} h" if s >= 3600 else f"{s / 60:.0f} min"
+
     for stage, count, seconds, peak, note in rows:
         per_row = seconds / count
         parallel = stage.startswith("audit")  # one worker per core; the rest runs in one process per shard or one
         at_2 = per_row * SEED_ROWS * (cores / 2 if parallel else 1)
         at_32 = per_row * SEED_ROWS * (cores / 32 if parallel else 1)
         lines.append(f"| {stage} | {count:,} | {seconds:,.1f} s | {peak / 2**30:.2f} GB | {per_row * 1000:.2f} s "
-                     f"| {at_2 / 3600:.1f} h | {at_32 / 3600:.1f} h | {note} |")
+                     f"| {duration(at_2)} | {duration(at_32)} | {note} |")
     body = "\n".join(lines) + (
         f"\n\nEach stage as `regen` runs it, on {cores} cores. Extrapolated times scale with rows (and the audits' with cores); "
         "memory is what was measured: every stage here reads rows in batches sized by bytes, so it does "
