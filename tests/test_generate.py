@@ -516,3 +516,26 @@ def test_the_audit_of_a_run_with_shards_still_to_come_says_it_is_partial(sim_ser
     generate_shard(prompts, out, endpoints(records), 1, 2)
     whole = subprocess.run(audit, capture_output=True, text=True, timeout=300)
     assert "audit PASS: " in whole.stdout and "partial" not in whole.stdout
+
+
+def test_a_shard_whose_rows_are_all_in_is_published_while_the_others_still_generate(sim_servers, tmp_path):
+    """One process with two shards: the first to have all its rows is published while the other
+    still generates (each later row waits here, its event loop held, until that file is in data/:
+    a publish left to the end would never come), not one after another once everything is in."""
+    cfg, records = sim_servers(num_servers=1)
+    out = tmp_path / "ds"
+    seen: list[int] = []
+
+    def on_row(row: dict) -> None:
+        mine = run.shard_of[row["id"]]
+        for other in run.shards.values():
+            if other is not mine and other.publishing is not None and other.store.shard not in seen:
+                wait_until(other.store.final.exists, 60, f"{other.store.name} published")
+                seen.append(other.store.shard)
+
+    values = dict(prompts=str(subset(tmp_path, 80)), output=str(out), num_shards=2, max_tokens=256,
+                  concurrency_per_server=2)
+    run = ShardRun(RunConfig.from_mapping(values), endpoints(records), [0, 1], None, FAST, on_row)
+    result = run.run()
+    assert len(seen) == 1 and sum(s.total for s in result.shards) == 80
+    assert sorted(pd.read_parquet(out / "data")["id"]) == sorted(read_ids(subset(tmp_path, 80)))

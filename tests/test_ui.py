@@ -303,3 +303,24 @@ def test_a_multi_day_runs_history_spans_the_whole_run_within_a_bounded_file(tmp_
     assert times == sorted(times) and all(round(b - a, 1) == 5 for a, b in zip(times[-HISTORY_RECENT:], times[-HISTORY_RECENT + 1:]))
     assert max(b - a for a, b in zip(times, times[1:])) <= 4 * DAY / (HISTORY_POINTS // 2)  # evenly thinned
     assert [p["t"] for p in run_data(layout)["history"]] == times  # the page draws all of it
+
+
+def test_progress_of_64_shards_costs_o_shards_per_round_and_a_state_change_shows_at_once(tmp_path, monkeypatch):
+    """64 shard processes reporting in the same interval: progress.json is rebuilt about once, not
+    once per report (64 x 64 part reads, 15 s per report in a 64-server fleet); a shard that ends
+    is in progress.json at once."""
+    from regen import progress
+    from regen.layout import RunLayout
+    from regen.progress import RunProgress
+
+    layout = RunLayout(tmp_path / "out")
+    reads = []
+    real = progress.read_json
+    monkeypatch.setattr(progress, "read_json", lambda path, *a, **k: reads.append(path) or real(path, *a, **k))
+    for shard in range(64):  # each its own process and RunProgress, as on a fleet
+        RunProgress(layout).write_shard(shard, {"state": "running", "total": 10, "done": 1, "failed": 0})
+    assert len(reads) <= 2 * 64, f"{len(reads)} part reads for one round of 64 reports"
+    assert progress.read_json(layout.progress_file)["total"] > 0
+    RunProgress(layout).write_shard(7, {"state": "done", "total": 10, "done": 10, "failed": 0})
+    folded = progress.read_json(layout.progress_file)
+    assert folded["shards"]["shard-00007"]["state"] == "done" and folded["done"] == 63 + 10

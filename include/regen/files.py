@@ -67,30 +67,35 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def atomic_path(path: Path, private: bool = False, work_dir: Path | None = None) -> Iterator[Path]:
+def atomic_path(path: Path, private: bool = False, work_dir: Path | None = None,
+                durable: bool = True) -> Iterator[Path]:
     """A temporary path for the caller to write, beside ``path`` or in ``work_dir`` (on the same
     filesystem: what must never show half-written in a folder is written elsewhere); renamed over
-    ``path`` when the block ends without an exception, removed otherwise."""
+    ``path`` when the block ends without an exception, removed otherwise. ``durable=False`` skips
+    the fsyncs: for what is only informative (progress), a crash may lose the last write, never
+    show half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with scratch_file(Path(work_dir) if work_dir is not None else path.parent, path.name, private) as tmp:
         yield tmp
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
+        if durable:
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path, mode: str = "w", private: bool = False) -> Iterator[Any]:
+def atomic_file(path: Path, mode: str = "w", private: bool = False, durable: bool = True) -> Iterator[Any]:
     """An open file that becomes ``path`` once the block ends without an exception."""
-    with atomic_path(path, private) as tmp:
+    with atomic_path(path, private, durable=durable) as tmp:
         with open(tmp, mode, encoding=None if "b" in mode else "utf-8") as fh:
             yield fh
 
 
-def atomic_write_json(path: Path, data: Any, private: bool = False) -> None:
-    with atomic_file(path, "w", private) as fh:
+def atomic_write_json(path: Path, data: Any, private: bool = False, durable: bool = True) -> None:
+    with atomic_file(path, "w", private, durable) as fh:
         json.dump(data, fh, indent=1, default=str)
 
 

@@ -70,6 +70,7 @@ class _Shard:
     tokens: int = 0
     up_to_date: bool = False
     last_error: str | None = None  # the last failed prompt's: what the run page shows a person
+    publishing: asyncio.Future | None = None  # its publish, started once its last row is in
 
     @property
     def total(self) -> int:
@@ -126,6 +127,7 @@ class ShardRun:
         self.started_wall = time.time()
         self.gen: Generator | None = None
         self.eps: list = []
+        self.last_reply: float | None = None  # monotonic: when the attempt's last row came in
 
     @property
     def name(self) -> str:
@@ -260,16 +262,19 @@ class ShardRun:
                 finally:
                     reporter.cancel()
                     pool.close()
+                    # a publish under way finishes (or fails) before the attempt ends either way
+                    await asyncio.gather(*(s.publishing for s in work if s.publishing), return_exceptions=True)
         finally:
             for shard in work:
                 if shard.journal is not None:
                     shard.journal.close()
         for shard in work:
-            try:
-                shard.store.publish(shard.prompts.hashes, self.settings_hash)
-            except OSError as exc:
-                raise ShardFailed(f"{shard.store.name}: cannot write {shard.store.location}: "
-                                  f"{exc.strerror or exc}; data/ is unchanged and the journal is kept") from exc
+            if shard.publishing is not None:
+                shard.publishing.result()  # its error, if any: ShardFailed naming the file
+            else:
+                self._publish(shard)
+        if self.last_reply is not None:
+            log.info("%s: published %.1f s after the last reply", self.name, time.monotonic() - self.last_reply)
         result = self._result()
         elapsed = time.monotonic() - self.started
         for shard in work:
@@ -296,9 +301,17 @@ class ShardRun:
             raise ShardFailed(f"{shard.store.name}: cannot write {shard.store.journal_path}: "
                               f"{exc.strerror or exc}") from exc
 
+    def _publish(self, shard: _Shard) -> None:
+        try:
+            shard.store.publish(shard.prompts.hashes, self.settings_hash)
+        except OSError as exc:
+            raise ShardFailed(f"{shard.store.name}: cannot write {shard.store.location}: "
+                              f"{exc.strerror or exc}; data/ is unchanged and the journal is kept") from exc
+
     def _sink(self, row: dict) -> None:
         self._append(row)
         shard = self.shard_of[row["id"]]
+        self.last_reply = time.monotonic()
         if row["error"] is None:
             shard.done += 1
             shard.tokens += row.get("completion_tokens") or 0
@@ -309,6 +322,11 @@ class ShardRun:
             self.on_row(row)
         if row["error"] is not None:
             self._check_errors(shard)
+        if shard.done + shard.failed == len(shard.pending) and len(self.shards) > 1:
+            # every row of this shard is in: it is published while the others still generate
+            shard.journal.close()
+            shard.journal = None
+            shard.publishing = asyncio.ensure_future(asyncio.to_thread(self._publish, shard))
 
     def _check_errors(self, shard: _Shard) -> None:
         bound = self.cfg.generation.max_error_fraction * max(shard.total, 1)
@@ -319,7 +337,7 @@ class ShardRun:
                 f"{shard.store.journal_path}; finished rows are kept"
             )
 
-    def _report_shard(self, shard: _Shard, state: str, reason: str | None = None) -> dict:
+    def _report_shard(self, shard: _Shard, state: str, reason: str | None = None, write: bool = True) -> dict:
         rows_s, tok_s = self.gen.rates() if self.gen else (0.0, 0.0)
         share = (len(shard.pending) / max(sum(len(s.pending) for s in self.shards.values()), 1))
         left = len(shard.pending) - shard.done - shard.failed
@@ -336,7 +354,8 @@ class ShardRun:
             "servers": {e.url: e.report() for e in self.eps},
             "last_error": shard.last_error, "reason": reason,
         }
-        self.progress.write_shard(shard.store.shard, data)
+        if write:
+            self.progress.write_shard(shard.store.shard, data)
         return data
 
     def _report(self, state: str = "running", reason: str | None = None) -> dict:
@@ -348,7 +367,10 @@ class ShardRun:
         while True:
             await asyncio.sleep(self.tuning.progress_interval_s)
             await asyncio.gather(*(scrape_metrics(e) for e in self.eps))
-            self._report()
+            # built on the loop (it reads what the loop changes), written off it (files, folding)
+            parts = {s.store.shard: self._report_shard(s, "running", write=False)
+                     for s in self.shards.values() if not s.up_to_date}
+            await asyncio.to_thread(self.progress.write_shards, parts)
             check_overdue(self.layout)
             self.guard.refresh()
             self._drain_marked()
