@@ -91,18 +91,24 @@ def preflight(dag_nodes: list[str], dag_queue: str | None) -> list[int]:
     it has ended (regen.coordination.owner)."""
     from airflow.configuration import conf
 
+    from regen.errors import RegenError
+    from regen.pipeline import SETUP_FAILED, setup_failure
     from regen.preflight import PreflightFailed
 
     kwargs = {"dag_nodes": dag_nodes, "dag_queue": dag_queue, "max_map_length": conf.getint("core", "max_map_length")}
+    ti = get_current_context()["ti"]
     try:
-        return _run("preflight", ended_runs=[], **kwargs).shards
-    except PreflightFailed as exc:
-        holder = exc.held_by or ""
-        dag_id, _, run_id = holder.partition("/")
-        if not run_id or get_current_context()["ti"].get_dr_count(
-                dag_id=dag_id, run_ids=[run_id], states=["queued", "running"]):
-            raise
-    return _run("preflight", ended_runs=[holder], **kwargs).shards
+        try:
+            return _run("preflight", ended_runs=[], **kwargs).shards
+        except PreflightFailed as exc:
+            holder = exc.held_by or ""
+            dag_id, _, run_id = holder.partition("/")
+            if not run_id or ti.get_dr_count(dag_id=dag_id, run_ids=[run_id], states=["queued", "running"]):
+                raise
+        return _run("preflight", ended_runs=[holder], **kwargs).shards
+    except RegenError as exc:  # why, for the run page: this run's own, never written into the output
+        ti.xcom_push(key=SETUP_FAILED, value=setup_failure("preflight", exc))
+        raise
 
 
 @task(retries=1, retry_delay=timedelta(seconds=10), **_deadline("stage_weights"))

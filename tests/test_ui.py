@@ -1,9 +1,9 @@
 """The run page in a real Airflow: `airflow standalone` on loopback, a run triggered through the
 REST API, the page checked in headless Chromium (Debian's), and refused without a token.
 
-Costs about six minutes (standalone start-up, six runs, one of them cleared twice). Saves screenshots to test-artifacts/:
-run-page.png, samples-viewer.png, run-page-canary-failed.png, run-page-failed-shards.png,
-run-page-audit-failed.png and run-page-stopped.png.
+Costs about six minutes (standalone start-up, seven runs, one of them cleared twice). Saves screenshots to
+test-artifacts/: run-page.png, samples-viewer.png, run-page-preflight-failed.png, run-page-canary-failed.png,
+run-page-failed-shards.png, run-page-audit-failed.png and run-page-stopped.png.
 """
 
 from __future__ import annotations
@@ -128,7 +128,13 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
         shards = page.inner_text("#shards")
         for i in range(3):
             assert f"shard {i}/3" in shards
-        assert "280" in page.inner_text("#summary")
+        summary = page.inner_text("#summary")  # a finished run: what it made, how long, how fast
+        assert "280 of 280 rows" in summary and "generated in" in summary and "tok/s on average" in summary
+        assert "ETA" not in summary and "run success" in summary
+        assert set(page.locator("#servers td:nth-child(2)").all_inner_texts()) == {"stopped"}
+        assert f"regen export --data {cfg.output} --format specforge" in page.inner_text("#next")
+        axes = page.locator("#chart text").all_text_contents()  # the chart's axes and units
+        assert "tok/s" in axes and "time since the first point" in axes and "0" in axes
         page.screenshot(path=str(ARTIFACTS / "run-page.png"), full_page=True)
         assert "script-src 'nonce-" in response.headers["content-security-policy"]
 
@@ -165,6 +171,16 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
 
         # What went wrong, first on the page: the seed's disaster caught by the canary, then
         # shards whose prompts the servers fail, each with its error and the next step.
+        preflight_failed = trigger_run(api, make_config(output=str(tmp_path / "no-prompts"),
+                                                        prompts=str(tmp_path / "missing.jsonl")), airflow["config_dir"])
+        assert wait_run(api, preflight_failed, 300) == "failed"
+        page = open_run(preflight_failed, "#attention .problem")  # the reason on the page, not in a log
+        alert = page.inner_text("#attention")
+        assert alert.startswith("preflight failed: preflight found") and "missing.jsonl" in alert
+        assert "next: fix what each problem names" in alert
+        assert page.inner_text("#summary").startswith("no shard started") and "run failed" in page.inner_text("#summary")
+        page.screenshot(path=str(ARTIFACTS / "run-page-preflight-failed.png"), full_page=True)
+
         thinking_off = trigger_run(api, make_config(output=str(tmp_path / "thinking-off"), sim_ignore_thinking=True,
                                                     sim_tokens_per_second=2000), airflow["config_dir"])
         faulty, _ = fault_config(make_config, tmp_path, "faults")
@@ -221,7 +237,7 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
         assert "stopped unfinished" in alert and "the run is failed in Airflow" in alert
         assert "next: clear the whole run ('only failed' unticked" in alert
         summary = page.inner_text("#summary")
-        assert "stopped" in page.inner_text("#shards") and "run failed" in summary and ", 0 tok/s" in summary
+        assert "stopped" in page.inner_text("#shards") and "run failed" in summary and "ETA" not in summary
         page.screenshot(path=str(ARTIFACTS / "run-page-stopped.png"), full_page=True)
         browser.close()
 
@@ -324,3 +340,30 @@ def test_progress_of_64_shards_costs_o_shards_per_round_and_a_state_change_shows
     RunProgress(layout).write_shard(7, {"state": "done", "total": 10, "done": 10, "failed": 0})
     folded = progress.read_json(layout.progress_file)
     assert folded["shards"]["shard-00007"]["state"] == "done" and folded["done"] == 63 + 10
+
+
+def test_a_failed_server_start_is_named_with_its_next_step_until_it_passes(make_config, tmp_path):
+    """start_servers failing (a model folder that is not one): `regen summary` and the run page's
+    status lead with its one-line reason and the next step; a start that passes clears it."""
+    import subprocess
+
+    from regen.errors import RegenError
+    from regen.pipeline import run
+    from regen.status import status
+    from support.paths import BIN
+
+    broken = make_config(num_servers=1, model_path=str(tmp_path / "no-model-here"), stage_weights=False)
+    with pytest.raises(RegenError):
+        run("start_servers", broken)
+    first = status(broken).attention[0]
+    assert first["what"].startswith("start_servers failed: ") and first["next"].startswith("read the servers' logs")
+    config = tmp_path / "broken.yaml"
+    config.write_text(broken.to_yaml())
+    out = subprocess.run([str(BIN / "regen"), "summary", "--config", str(config)], capture_output=True, text=True)
+    assert "! start_servers failed: " in out.stdout and "    next: read the servers' logs" in out.stdout
+    fixed = broken.model_copy(update={"model_path": make_config().model_path})
+    try:
+        run("start_servers", fixed)
+        assert not [i for i in status(fixed).attention if "start_servers failed" in i["what"]]
+    finally:
+        run("stop_servers", fixed)

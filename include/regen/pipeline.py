@@ -25,6 +25,7 @@ from regen.coordination import holding_output
 from regen.errors import RegenError
 from regen.objectstore import is_store_url, local_copy
 from regen.placement import NODE_LOST_AFTER_S, claim_node
+from regen.progress import RunProgress
 from regen.remote import run_stage
 from regen.results import StageResult
 from regen.stages import Stage, Where, stage
@@ -58,6 +59,46 @@ def run(name: str, cfg: RunConfig, node: str | None = None, run_id: str | None =
         kwargs["run_id"] = run_id
     if entry.holds_output and run_id not in (None, "cli"):
         kwargs["held_by"] = run_id
+    try:
+        result = _dispatch(entry, cfg, node, run_id, kwargs)
+    except RegenError as exc:
+        if name in SETUP_NEXT_STEP:
+            failure = setup_failure(name, exc)
+            log.error("%s failed: %s", name, failure["reason"])  # the reason, before Airflow's traceback
+            if name in KEPT_IN_OUTPUT:
+                RunProgress(cfg.layout).write_section(SETUP_FAILED, failure)
+        raise
+    if name in KEPT_IN_OUTPUT:
+        RunProgress(cfg.layout).clear_section(SETUP_FAILED)
+    if log_summary:
+        for line in result.summary_lines():
+            log.info("%s", line)
+    return result
+
+
+# Stages whose failure nothing else shows on the run page and in `regen summary` (the canary, the
+# shards and the audit write their own): their reason and next step. Staging's and the servers'
+# are kept in progress.json until the stage passes (the run holds the output by then); a failed
+# preflight's goes to its task's XCom instead (the output may be another run's: dags/).
+SETUP_FAILED = "setup_failed"
+SETUP_DETAILS = 12
+KEPT_IN_OUTPUT = ("stage_weights", "start_servers")
+SETUP_NEXT_STEP = {
+    "preflight": "fix what each problem names (a field: trigger a new run with it changed), then run again",
+    "stage_weights": "make room or fix model_path / staging_dir as named, then clear stage_weights",
+    "start_servers": "read the servers' logs (`regen logs`, or the task log), fix what they name, then clear "
+                     "start_servers",
+}
+
+
+def setup_failure(name: str, exc: BaseException) -> dict:
+    """A setup stage's failure as the run page and `regen summary` show it: one line of reason,
+    the lines after it, the next step."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
+    return {"stage": name, "reason": lines[0], "details": lines[1:SETUP_DETAILS + 1], "next": SETUP_NEXT_STEP[name]}
+
+
+def _dispatch(entry: Stage, cfg: RunConfig, node: str | None, run_id: str | None, kwargs: dict) -> StageResult:
     if entry.where is Where.NODE:
         result = _run_at(entry, cfg.for_node(_spec(cfg, node)), kwargs)
     elif entry.where is Where.CLAIM and not kwargs.get("endpoints"):
@@ -71,9 +112,6 @@ def run(name: str, cfg: RunConfig, node: str | None = None, run_id: str | None =
         if entry.where is Where.AFTER_GENERATION and run_id is not None:
             _stop_servers_shards_started(cfg, run_id)
         result = _run_at(entry, cfg, kwargs)
-    if log_summary:
-        for line in result.summary_lines():
-            log.info("%s", line)
     return result
 
 

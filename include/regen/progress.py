@@ -42,6 +42,13 @@ class RunProgress:
         """A run-level section (canary estimate, audit verdict) kept beside the shards."""
         self._write(name, data)
 
+    def clear_section(self, name: str) -> None:
+        """A run-level section gone (a setup stage that failed, then passed)."""
+        part = self.layout.progress_part(name)
+        if part.exists():
+            part.unlink(missing_ok=True)
+            self.fold()
+
     def write_shards(self, parts: dict[int, dict]) -> None:
         """Several shards' parts at once (one process's report), folded once."""
         for shard, data in parts.items():

@@ -10,11 +10,12 @@ token (the UI's cookie, or a Bearer header) is checked by the deployment's auth 
 # No `from __future__ import annotations` here: FastAPI must see the real dependency types of
 # the routes, which are defined inside create_app.
 import html
+import json
 import secrets
 
 from regen.config import ConfigError, RunConfig
 from regen.dags.definitions import NotRegenDag, triggered_config
-from regen.pipeline import run
+from regen.pipeline import SETUP_FAILED, run
 from regen.status import attention, with_stopped_shards
 
 PAGE_CSP = ("default-src 'none'; script-src 'nonce-{nonce}'; style-src 'unsafe-inline'; connect-src 'self'; "
@@ -70,6 +71,7 @@ def create_app():
     from airflow.api_fastapi.core_api.security import requires_access_dag
     from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
     from airflow.models.dagrun import DagRun
+    from airflow.models.xcom import XComModel
     from airflow.utils.session import create_session
 
     # No /docs, /redoc or /openapi.json: Airflow does not guard a plugin's routes, and those
@@ -85,6 +87,19 @@ def create_app():
         response.headers.setdefault("Content-Security-Policy", REPORT_CSP)
         response.headers["X-Content-Type-Options"] = "nosniff"
         return response
+
+    def preflight_failure(dag_id: str, run_id: str) -> dict | None:
+        """What the run's failed preflight pushed (its reason and next step), or None."""
+        with create_session() as session:
+            value = session.scalar(select(XComModel.value).where(
+                XComModel.dag_id == dag_id, XComModel.run_id == run_id, XComModel.task_id == "preflight",
+                XComModel.key == SETUP_FAILED))
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return None
+        return value if isinstance(value, dict) and {"stage", "reason", "next"} <= set(value) else None
 
     def config_of(dag_id: str, run_id: str) -> tuple[RunConfig, str | None]:
         """The run's config and state; the database session is closed before anything reaches a node."""
@@ -119,6 +134,8 @@ def create_app():
             raise HTTPException(504, str(exc)) from None
         # Silence was judged by the status stage, where the output lives (a node's clock).
         data["progress"] = with_stopped_shards(data["progress"], state, silent_after_s=None)
+        if (failed := preflight_failure(dag_id, run_id)) is not None:
+            data["progress"][SETUP_FAILED] = failed
         return {**data, "attention": attention(data["progress"], data["audit"]), "run_state": state}
 
     @app.get("/runs/{dag_id}/{run_id}/report", dependencies=guard)
@@ -152,7 +169,7 @@ td.error{text-align:left;max-width:34em;font-size:.9em;color:#a00;word-break:bre
 <div id="summary" class="muted">loading...</div>
 <div id="attention"></div>
 <h2>Canary</h2><div id="canary" class="muted">not run yet</div>
-<h2>Tokens per second</h2><svg id="chart" width="640" height="160" style="border:1px solid #ddd"></svg>
+<h2>Tokens per second</h2><svg id="chart" width="640" height="165" style="border:1px solid #ddd"></svg>
 <div id="nodes-section" hidden><h2>Nodes</h2><table id="nodes"></table></div>
 <h2>Shards</h2><table id="shards"></table>
 <h2>Servers</h2><table id="servers"></table>
@@ -178,20 +195,36 @@ function bar(done, total) {
   const fill = el("span", {class: "fill"}); fill.style.display = "block"; fill.style.width = pct + "%";
   return el("span", {}, el("span", {class: "bar"}, fill), " " + pct + "%");
 }
-function chart(history, progress) {
-  // A point every few seconds; a run shorter than that still shows where it stands now.
-  const points = history.slice();
+function chart(history, progress, average) {
+  // A point every few seconds; a run shorter than that still shows where it stands now, and a run
+  // over before any point measured a rate shows its average over its time.
+  let points = history.slice();
   if (progress.updated && (!points.length || progress.updated > points[points.length - 1].t)) {
     points.push({t: progress.updated, tokens_per_s: progress.tokens_per_s || 0, done: progress.done || 0});
   }
   const svg = document.getElementById("chart"); svg.replaceChildren();
   if (!points.length) { svg.append(el("svg:text", {x: 12, y: 80, "font-size": 12}, "no throughput yet")); return; }
   if (points.length === 1) points.unshift({t: points[0].t - 1, tokens_per_s: 0, done: 0});
-  const t0 = points[0].t, t1 = points[points.length - 1].t, ymax = Math.max(1, ...points.map(h => h.tokens_per_s));
-  const xy = h => `${10 + 620 * (h.t - t0) / Math.max(1, t1 - t0)},${150 - 140 * h.tokens_per_s / ymax}`;
+  if (!points.some(h => h.tokens_per_s > 0) && average) {
+    points = [{t: average.start, tokens_per_s: average.rate}, {t: average.end, tokens_per_s: average.rate}];
+  }
+  const peak = Math.max(...points.map(h => h.tokens_per_s || 0));
+  if (!(peak > 0)) { svg.append(el("svg:text", {x: 12, y: 80, "font-size": 12}, "no tokens generated yet")); return; }
+  // axes: tokens per second (0 to the peak) up the left, time since the first point along the bottom
+  const t0 = points[0].t, t1 = points[points.length - 1].t, X0 = 70, X1 = 630, Y0 = 130, Y1 = 10;
+  const xy = h => `${X0 + (X1 - X0) * (h.t - t0) / Math.max(1, t1 - t0)},${Y0 - (Y0 - Y1) * (h.tokens_per_s || 0) / peak}`;
+  svg.append(el("svg:line", {x1: X0, y1: Y0, x2: X1, y2: Y0, stroke: "#999"}), el("svg:line", {x1: X0, y1: Y0, x2: X0, y2: Y1, stroke: "#999"}));
+  for (const [value, y] of [[0, Y0], [peak / 2, (Y0 + Y1) / 2], [peak, Y1]]) {
+    svg.append(el("svg:text", {x: X0 - 6, y: y + 4, "font-size": 10, "text-anchor": "end"}, fmt(Math.round(value))));
+  }
+  svg.append(el("svg:text", {x: 4, y: Y1 + 4, "font-size": 10}, "tok/s"));
+  for (const [frac, anchor] of [[0, "start"], [0.5, "middle"], [1, "end"]]) {
+    svg.append(el("svg:text", {x: X0 + (X1 - X0) * frac, y: Y0 + 16, "font-size": 10, "text-anchor": anchor},
+      frac === 0 ? "0" : dur((t1 - t0) * frac)));
+  }
+  svg.append(el("svg:text", {x: (X0 + X1) / 2, y: Y0 + 28, "font-size": 10, "text-anchor": "middle"}, "time since the first point"));
   svg.append(el("svg:polyline", {fill: "none", stroke: "#4472c4", "stroke-width": 2, points: points.map(xy).join(" ")}));
   for (const h of points) { const [x, y] = xy(h).split(","); svg.append(el("svg:circle", {cx: x, cy: y, r: 2.5, fill: "#4472c4"})); }
-  svg.append(el("svg:text", {x: 12, y: 14, "font-size": 11}, `${fmt(Math.round(ymax))} tok/s peak, ${dur(t1 - t0)} shown`));
 }
 async function refresh() {
   const r = await fetch(location.pathname.replace(/\/$/, "") + "/data", {credentials: "same-origin"});
@@ -199,8 +232,21 @@ async function refresh() {
   const d = await r.json(), p = d.progress || {}, canary = p.canary || {};
   const ended = ["failed", "success"].includes(d.run_state);
   const shards = Object.values(p.shards || {}).sort((a, b) => a.shard - b.shard);
-  document.getElementById("summary").replaceChildren(
-    el("b", {}, fmt(p.done)), ` of ${fmt(p.total)} done, ${fmt(p.failed)} failed, ${fmt(Math.round(p.tokens_per_s || 0))} tok/s, ETA ${ended ? "-" : dur(p.eta_s)}`,
+  const running = shards.some(s => s.state === "running");
+  let line, average = null;
+  if (!shards.length) {
+    line = [el("b", {}, "no shard started"), ended ? "" : " yet"];
+  } else if (!running) {  // the run's generation is over: what it made, how long it took, how fast
+    const start = Math.min(...shards.map(s => s.started_at || Infinity));
+    const end = Math.max(...shards.map(s => (s.started_at || 0) + (s.elapsed_s || 0)));
+    const tokens = shards.reduce((n, s) => n + (s.tokens || 0), 0), took = end - start;
+    if (isFinite(took) && took > 0) average = {start, end, rate: tokens / took};
+    line = [el("b", {}, fmt(p.done)), ` of ${fmt(p.total)} rows, ${fmt(p.failed)} failed`,
+      isFinite(took) && took > 0 ? `, generated in ${dur(took)} at ${fmt(Math.round(tokens / took))} tok/s on average` : ""];
+  } else {
+    line = [el("b", {}, fmt(p.done)), ` of ${fmt(p.total)} done, ${fmt(p.failed)} failed, ${fmt(Math.round(p.tokens_per_s || 0))} tok/s, ETA ${dur(p.eta_s)}`];
+  }
+  document.getElementById("summary").replaceChildren(...line,
     d.run_state ? ` \u00b7 run ${d.run_state}` : "",
     " \u00b7 ", el("span", {class: "muted", id: "output"}, d.output));
   document.getElementById("attention").replaceChildren(...(d.attention || []).map(t => el("div", {class: t.kind},
@@ -211,7 +257,7 @@ async function refresh() {
       el("span", {id: "canary-verdict", class: "verdict " + (canary.passed ? "PASS" : "FAIL")}, canary.passed ? "passed" : "failed"),
       canary.passed ? ` ${fmt(canary.samples)} samples \u00b7 estimate: ${est.text || "?"}` : ` ${fmt((canary.problems || []).length)} problem(s), listed above`);
   }
-  chart(d.history || [], p);
+  chart(d.history || [], p, average);
   const nodes = d.nodes || [];
   document.getElementById("nodes-section").hidden = nodes.length < 2;
   table("nodes", ["node", "reached by", "servers", "shards running", "shards done", "rows", "tok/s"],
@@ -220,7 +266,7 @@ async function refresh() {
     shards.map(s => [`shard ${s.shard}/${s.num_shards}`, s.node || "", s.state, bar(s.done, s.total), `${fmt(s.done)}/${fmt(s.total)}`, fmt(s.failed), s.state === "running" ? fmt(Math.round(s.tokens_per_s || 0)) : "", s.state === "running" ? dur(s.eta_s) : "", s.last_error || ""]));
   for (const td of document.querySelectorAll("#shards td:last-child")) td.className = "error";
   table("servers", ["server", "healthy", "done", "failed", "in flight", "running", "queued", "accept length"],
-    Object.entries(p.servers || {}).map(([url, s]) => { const m = s.metrics || {}; return [url, s.healthy ? "yes" : "no", fmt(s.done), fmt(s.failed), fmt(s.in_flight), fmt(m.running), fmt(m.queued), m.spec_accept_length == null ? "" : m.spec_accept_length]; }));
+    Object.entries(p.servers || {}).map(([url, s]) => { const m = s.metrics || {}; return [url, !running || ended ? "stopped" : s.healthy ? "yes" : "no", fmt(s.done), fmt(s.failed), running && !ended ? fmt(s.in_flight) : "", running && !ended ? fmt(m.running) : "", running && !ended ? fmt(m.queued) : "", m.spec_accept_length == null ? "" : m.spec_accept_length]; }));
   const a = d.audit;
   if (a) {
     const base = location.pathname.replace(/\/$/, "");
@@ -228,7 +274,9 @@ async function refresh() {
       ...Object.entries(a.counts).map(([k, v]) => el("tr", {}, el("td", {}, k), el("td", {}, fmt(v)))));
     document.getElementById("audit").replaceChildren(
       el("span", {id: "verdict", class: "verdict " + (a.verdict === "PASS" ? "PASS" : "FAIL")}, a.verdict),
-      ` degenerate fraction ${a.degenerate_fraction}`, el("ul", {}, ...a.summary.map(l => el("li", {}, l))), counts,
+      ` degenerate fraction ${a.degenerate_fraction}`, el("ul", {}, ...a.summary.map(l => el("li", {}, l))),
+      a.verdict === "PASS" ? el("p", {id: "next"}, "next: ", el("code", {}, `regen export --data ${d.output} --format specforge --out FOLDER`),
+        " writes what SpecForge trains on") : "", counts,
       el("p", {}, el("a", {href: base + "/report"}, "full report: histograms and samples")),
       el("iframe", {src: base + "/report", sandbox: "", width: "100%", height: "900", style: "border:0"}));
   }
