@@ -83,6 +83,20 @@ def test_param_schemas_accept_the_defaults_and_refuse_what_pydantic_refuses():
     jsonschema.validate("NEXTN", schemas["speculative_algorithm"][1])
 
 
+def test_the_trigger_form_renders_markdown_says_deployment_once_and_labels_the_empty_choice():
+    """Airflow 3.3's form renders a Param's description_md as Markdown (a plain description shows
+    backticks raw), labels an enum value by values_display (else None shows as "null")."""
+    schemas = param_schemas(RunConfig(), "deploy/dataset.yaml")
+    for name, (_, schema) in schemas.items():
+        assert "description" not in schema and schema["description_md"], name
+    work_dir = schemas["work_dir"][1]["description_md"]
+    assert work_dir.startswith("Set by the deployment (deploy/dataset.yaml); a triggered run may not change it. The ")
+    assert work_dir.lower().count("set by the deployment") == 1
+    assert "`~/.cache/regen/work`" in work_dir  # Markdown, rendered by the form
+    spec = schemas["speculative_algorithm"][1]
+    assert None in spec["enum"] and spec["values_display"] == {"null": "(empty: not set)"}
+
+
 def test_cli_flags_override_the_yaml_with_the_same_names():
     args = build_parser().parse_args([
         "preflight", "--config", str(ROOT / "demo" / "config.yaml"), "--max-tokens", "77",

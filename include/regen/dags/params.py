@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 from regen.config import RunConfig, run_fields
@@ -27,6 +28,9 @@ def _flat_properties() -> dict[str, dict[str, Any]]:
 # (a Param's value is shown with the DAG and stored with each run).
 NOT_PARAMS = frozenset({"node", "api_key"})
 DEPLOYMENT_SECTION = "Deployment (read-only: a run that changes one of these is refused)"
+EMPTY_CHOICE = "(empty: not set)"
+# The schema's own words for a deployment field, said once by the form's note instead.
+_DEPLOYMENT_SAYS = re.compile(r"^(Deployment field\.|Set by the deployment[^:.;]*[:.;])\s*")
 
 
 def param_schemas(defaults: RunConfig | None = None, where: str = "regen's built-in defaults") -> dict[str, tuple[Any, dict[str, Any]]]:
@@ -66,14 +70,19 @@ def param_schemas(defaults: RunConfig | None = None, where: str = "regen's built
                 spec["enum"] = [*spec["enum"], None]
             spec["type"] = types
         for key in ("type", "enum", "items", "minimum", "maximum", "exclusiveMinimum",
-                    "exclusiveMaximum", "title", "description", "section"):
+                    "exclusiveMaximum", "title", "section"):
             if key in prop:
                 spec[key] = prop[key]
         if "const" in prop:
             spec["enum"] = [prop["const"]]
+        if None in spec.get("enum", ()):  # the form's label for leaving it empty, not "null"
+            spec["values_display"] = {"null": EMPTY_CHOICE}
+        text = prop.get("description", "")
         if name in DEPLOYMENT_FIELDS:
             spec["section"] = DEPLOYMENT_SECTION
-            spec["description"] = (f"Set by the deployment ({where}); a triggered run "
-                                   f"may not change it. " + spec.get("description", ""))
+            own = _DEPLOYMENT_SAYS.sub("", text)
+            text = f"Set by the deployment ({where}); a triggered run may not change it. " + own[:1].upper() + own[1:]
+        # description_md: Airflow's form renders it as Markdown (a plain `description` shows backticks raw)
+        spec["description_md"] = text
         out[name] = (defaults[name], spec)
     return out
