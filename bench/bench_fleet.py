@@ -105,9 +105,9 @@ def _regen_rows(out: Path) -> int:
     return int(df["error"].isna().sum())
 
 
-def regen_one(prompts: Path, out: Path, urls: list[str], max_tokens: int) -> int:
+def regen_one(prompts: Path, out: Path, urls: list[str], max_tokens: int, *flags: str) -> int:
     subprocess.run(_regen("--prompts", str(prompts), "--output", str(out), "--endpoints", ",".join(urls),
-                          "--max-tokens", str(max_tokens)), check=True, capture_output=True)
+                          "--max-tokens", str(max_tokens), *flags), check=True, capture_output=True)
     return _regen_rows(out)
 
 
@@ -223,6 +223,7 @@ def main() -> None:
     args = parser.parse_args()
 
     clients = {"regen": "`regen generate --endpoints U1..U%d` (one process)" % args.servers,
+               "one-shard": "the same with `--num-shards 1` (one process, one shard)",
                "shards": f"regen as the DAG's mapped shards ({args.servers} `--shard K` processes at once)",
                "specforge": f"SpecForge's `scripts/regenerate_train_data.py` ({SPECFORGE_COMMIT}, --concurrency {args.slots})",
                "queue": "AsyncOpenAI + one shared queue, a conversation kept on one server",
@@ -250,6 +251,8 @@ def main() -> None:
                 started = time.perf_counter()
                 if mode == "regen":
                     rows = regen_one(prompts, out, urls, args.max_tokens)
+                elif mode == "one-shard":
+                    rows = regen_one(prompts, out, urls, args.max_tokens, "--num-shards", "1")
                 elif mode == "shards":
                     rows = regen_shards(prompts, out, urls, args.max_tokens)
                 elif mode == "specforge":
@@ -271,7 +274,7 @@ def main() -> None:
     def each(mode: str, key: str, form: str) -> str:
         return " · ".join(form.format(x[key]) for x in results[mode])
 
-    best_peer = min((min(x["seconds"] for x in results[m]) for m in modes if m not in ("regen", "shards")),
+    best_peer = min((min(x["seconds"] for x in results[m]) for m in modes if m not in ("regen", "one-shard", "shards")),
                     default=None)
     rows = ["| client | makespan s (each round) | vs best peer | complete rows | delivered tok/s | servers busy "
             "| prefix-cache hit | uncached prompt tokens |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -291,9 +294,12 @@ def main() -> None:
         f"stopped by itself. Tokens and cache hits are the servers' own counters (`/metrics`), the same for every client.")
     if missing:
         body += " Not run here: " + "; ".join(missing) + "."
-    name = "A realistic fleet" + (" with a half-speed server" if args.slow_server else "")
+    name = ("A realistic fleet" if args.servers == 7 else f"A fleet of {args.servers} servers") + (
+        " with a half-speed server" if args.slow_server else "")
     command = ".venv/bin/python bench/bench_fleet.py" + (" --slow-server" if args.slow_server else "") + \
-        (f" --rows {args.rows}" if args.rows != 2400 else "")
+        (f" --rows {args.rows}" if args.rows != 2400 else "") + \
+        (f" --servers {args.servers} --slots {args.slots}" if args.servers != 7 else "") + \
+        (f" --only {args.only} --rounds {args.rounds}" if args.only else "")
     write_section(name, command, body)
 
 
