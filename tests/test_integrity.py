@@ -390,3 +390,24 @@ def test_a_resumed_shards_memory_follows_its_unfinished_conversations_not_its_jo
     assert sorted(long) == [f"c{c}" for c in range(400, 405)] and all(len(a) == 3 for a in long.values())
     assert sorted(short) == [f"c{c}" for c in range(100, 105)]
     assert long_peak <= 1.2 * short_peak, f"{long_peak / 2**20:.1f} MB against {short_peak / 2**20:.1f} MB"
+
+
+def test_a_publish_batches_rows_by_their_bytes_not_only_their_count(tmp_path, monkeypatch):
+    """Rows of long answers with their token ids: a publish writes them a few at a time (a 1,000-row
+    batch of 32k-token rows would be ~1.2 GB of Python objects), and the file holds every one."""
+    import pyarrow.parquet as pq
+
+    from regen import store as store_module
+    from regen.store import ShardStore
+
+    monkeypatch.setattr(store_module, "PUBLISH_BATCH_BYTES", 4 << 20)
+    store = ShardStore(RunLayout(tmp_path / "out"), 0, 1)
+    journal = Journal(store.journal_path)
+    ids = list(range(1_000, 33_000))  # 32,000 ids: ~1.2 MB as Python objects
+    for i in range(20):
+        journal.append({"id": f"r{i}", "error": None, "content": "done", "completion_token_ids": ids,
+                        "prompt_hash": "h", "settings_hash": "s"})
+    journal.close()
+    assert store.publish({f"r{i}": "h" for i in range(20)}, "s") == 20
+    written = pq.ParquetFile(store.final)
+    assert written.metadata.num_rows == 20 and written.metadata.num_row_groups >= 5  # 3-4 rows a batch

@@ -92,6 +92,23 @@ class Journal:
                     yield row
 
 
+# A publish batch's rows: their text and token ids as Python objects (an id is 36 bytes of them).
+PUBLISH_BATCH_BYTES = 256 << 20
+
+
+def _row_bytes(row: dict) -> int:
+    """Roughly what a row holds as Python objects: its text, and 36 bytes per token id."""
+    def size(value) -> int:
+        if isinstance(value, str):
+            return len(value)
+        if isinstance(value, list):  # token ids are all numbers: counted, not walked
+            return sum(size(v) for v in value) if value and isinstance(value[0], (str, dict, list)) else 36 * len(value)
+        if isinstance(value, dict):
+            return sum(size(v) for v in value.values())
+        return 8
+    return size(row)
+
+
 def of_this_run(row: dict, hashes: dict[str, str], settings_hash: str) -> bool:
     """A row of this run: its id's prompt as indexed, sent with this run's settings."""
     return hashes.get(row["id"]) == row.get("prompt_hash") and row.get("settings_hash") == settings_hash
@@ -250,19 +267,23 @@ class ShardStore:
         return set(last.values())
 
     def _write(self, path: Path, keep: set[int], batch_rows: int) -> int:
-        """The rows of :meth:`_rows` at ``keep`` streamed in batches into a Parquet file at ``path``."""
+        """The rows of :meth:`_rows` at ``keep`` streamed in batches into a Parquet file at ``path``:
+        at most ``batch_rows`` rows and PUBLISH_BATCH_BYTES of their text and token ids, so rows of
+        32k-token answers do not hold gigabytes at once."""
         count = 0
         with pq.ParquetWriter(path, ROW_SCHEMA, compression="zstd") as writer:
             batch: list[dict] = []
+            size = 0
             for index, row in enumerate(self._rows()):
                 if index not in keep:
                     continue
                 row.pop("retryable", None)
                 batch.append(row)
-                if len(batch) >= batch_rows:
+                size += _row_bytes(row)
+                if len(batch) >= batch_rows or size >= PUBLISH_BATCH_BYTES:
                     writer.write_table(pa.Table.from_pylist(batch, schema=ROW_SCHEMA))
                     count += len(batch)
-                    batch = []
+                    batch, size = [], 0
             if batch:
                 writer.write_table(pa.Table.from_pylist(batch, schema=ROW_SCHEMA))
                 count += len(batch)
