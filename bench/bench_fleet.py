@@ -106,8 +106,9 @@ def _regen_rows(out: Path) -> int:
 
 
 def regen_one(prompts: Path, out: Path, urls: list[str], max_tokens: int, *flags: str) -> int:
-    subprocess.run(_regen("--prompts", str(prompts), "--output", str(out), "--endpoints", ",".join(urls),
-                          "--max-tokens", str(max_tokens), *flags), check=True, capture_output=True)
+    done = subprocess.run(_regen("--prompts", str(prompts), "--output", str(out), "--endpoints", ",".join(urls),
+                                 "--max-tokens", str(max_tokens), *flags), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
     return _regen_rows(out)
 
 

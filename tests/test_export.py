@@ -233,3 +233,24 @@ def test_an_export_killed_mid_write_leaves_no_temporary_once_one_runs_again(tmp_
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert sorted(tmp_path.glob(".train.jsonl.*.tmp")) == [live] and len(out.read_text().splitlines()) == 6
+
+
+def test_an_export_larger_than_the_disks_free_space_is_refused_before_it_writes(tmp_path):
+    """A 256 KB disk and ~1 MB of conversations: refused at once, naming the estimate and the free
+    space, with nothing written there (a seed-sized export is tens of GB)."""
+    rows = [row(i, reasoning="Step by step, with care. " * 150) for i in range(300)]
+    data = write_dataset(tmp_path / "data", rows)
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], check=True)
+    try:
+        for form, target in (("sharegpt", mount / "train.jsonl"), ("specforge", mount / "recipe")):
+            out = subprocess.run([str(BIN / "regen"), "export", "--data", str(data), "--format", form, "--out",
+                                  str(target)], capture_output=True, text=True, timeout=120)
+            assert out.returncode != 0 and "the export needs about" in out.stderr and "GB free" in out.stderr, out.stderr
+            assert [p for p in mount.rglob("*") if p.is_file()] == []
+        fits = subprocess.run([str(BIN / "regen"), "export", "--data", str(data), "--format", "sharegpt", "--out",
+                               str(tmp_path / "train.jsonl")], capture_output=True, text=True, timeout=120)
+        assert fits.returncode == 0, fits.stderr
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)

@@ -15,6 +15,8 @@ shape, and accounts for every prompt.
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,12 +25,16 @@ from regen.chat.loss import training_tokens
 from regen.chat.onpolicy import certify
 from regen.chat.render import generation_prefill, load_tokenizer, render, resolve_training
 from regen.chat.templates import TRAIN_TEMPLATES, recipe
+from regen.errors import DataError
 from regen.files import atomic_file, atomic_write_text
 from regen.layout import RunLayout
 from regen.manifest import Manifest
-from regen.rows import AUDIT_COLUMNS, TEXT_COLUMNS, asked_thinking, iter_batches, row_messages, row_tools
+from regen.rows import (AUDIT_COLUMNS, TEXT_COLUMNS, arrow_bytes_per_row, asked_thinking, iter_batches,
+                        row_messages, row_tools)
 from regen.training import (TrainLayout, conversation_record, event_records, history_kept, served, training_conversation,
                             training_samples, why_left_out)
+
+log = logging.getLogger("regen.export")
 
 
 class RecipeConflict(ValueError):
@@ -170,6 +176,24 @@ def export_tokens(data_dir: str | Path | RunLayout, out: str | Path, tokenizer_d
 
 # What an export holds in memory at once: a batch of rows as Python objects (rows.record_batches).
 EXPORT_BATCH_BYTES = 256 << 20
+# JSONL of a row's text is about its Arrow bytes (escapes and keys add a little); the events layout
+# repeats each turn's history, and specforge writes both layouts: a margin over the first.
+JSONL_BYTES_PER_TEXT_BYTE = 1.3
+EVENTS_FACTOR = 3.0
+
+
+def _room_for(layout: RunLayout, out: Path, events: bool) -> int:
+    """The export's estimated size, refused before anything is written when ``out``'s disk has not
+    that much free (a seed-sized export is tens of GB: it must not fill the disk half-way)."""
+    estimate = sum(arrow_bytes_per_row(layout.parquet(path), list(TEXT_COLUMNS)) * layout.parquet(path).metadata.num_rows
+                   for path in layout.data_files()) * JSONL_BYTES_PER_TEXT_BYTE * (EVENTS_FACTOR if events else 1)
+    folder = out if out.is_dir() else out.parent
+    free = shutil.disk_usage(folder).free
+    if estimate > free:
+        raise DataError(f"{out}: the export needs about {estimate / 2**30:,.1f} GB and {folder} has "
+                        f"{free / 2**30:,.1f} GB free; nothing written (free space, or --out elsewhere)")
+    log.info("exporting about %.1f GB to %s", estimate / 2**30, out)
+    return int(estimate)
 
 
 def _export(data_dir: str | Path | RunLayout, out: str | Path, record, unit: str = "records", samples=None,
@@ -177,6 +201,7 @@ def _export(data_dir: str | Path | RunLayout, out: str | Path, record, unit: str
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = ExportResult(out, unit=unit)
+    _room_for(RunLayout.from_data_arg(data_dir), out, unit == "events")
     with atomic_file(out) as fh:
         for rows in iter_batches(RunLayout.from_data_arg(data_dir), columns=columns, max_batch_bytes=EXPORT_BATCH_BYTES):
             for row in (samples(rows) if samples else rows):
@@ -244,6 +269,7 @@ def export_specforge(data_dir: str | Path | RunLayout, out_dir: str | Path, toke
     run = RunLayout.from_data_arg(data_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    _room_for(run, out, events=True)
     counts: Counter = Counter()
 
     def line(fh, doc: dict) -> None:

@@ -129,17 +129,24 @@ def asked_thinking(row: dict, default: bool) -> bool:
     return default if thinking is None else bool(thinking)
 
 
+SIZE_SAMPLE_ROWS = 32
+
+
 def arrow_bytes_per_row(parquet, columns: list[str]) -> float:
-    """The uncompressed bytes of a row's ``columns``, from the file's footer (nothing read)."""
+    """A row's ``columns`` in Arrow memory: the larger of the footer's uncompressed size (which
+    dictionary encoding shrinks for repeated text) and the first rows' own size, read."""
     meta = parquet.metadata
-    if not meta.num_rows:
+    columns = [c for c in columns if c in parquet.schema_arrow.names]
+    if not meta.num_rows or not columns:
         return 0.0
     total = 0
     for g in range(meta.num_row_groups):
         group = meta.row_group(g)
         total += sum(group.column(c).total_uncompressed_size for c in range(group.num_columns)
                      if group.column(c).path_in_schema.split(".")[0] in columns)
-    return total / meta.num_rows
+    sample = next(parquet.iter_batches(batch_size=SIZE_SAMPLE_ROWS, columns=columns), None)
+    sampled = sample.nbytes / sample.num_rows if sample is not None and sample.num_rows else 0.0
+    return max(total / meta.num_rows, sampled)
 
 
 def record_batches(layout: RunLayout, batch_size: int = 512, columns: tuple[str, ...] = AUDIT_COLUMNS,
