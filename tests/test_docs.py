@@ -71,3 +71,33 @@ def test_the_docs_operating_point_example_is_what_the_dry_run_prints(tmp_path):
                           "--dry-run", "--gpu", "H200"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert [line for line in out.stderr.splitlines() if line.startswith("per server: ")] == shown
+
+
+def test_the_readmes_commands_are_commands_as_written():
+    """Every command line of README's code blocks: a `make` target the Makefile has, a `regen`
+    command line regen's own parser takes, a `docker compose` file that exists."""
+    import shlex
+
+    from regen.cli import build_parser
+
+    lines, fence = [], None
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            fence = None if fence is not None else line[3:]
+        elif fence == "":  # a plain block: commands (a yaml block is a file)
+            lines.append(line.split("  #", 1)[0].strip())
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
+    checked = 0
+    for line in lines:
+        words = shlex.split(line) if line else []
+        if words[:1] == ["make"]:
+            assert words[1] in targets, line
+        elif words[:1] in (["regen"], [".venv/bin/regen"]):
+            build_parser().parse_args(words[1:])  # exits (fails the test) on a command regen refuses
+        elif words[:2] == ["docker", "compose"]:
+            files = [words[i + 1] for i, w in enumerate(words) if w == "-f"]
+            assert all((ROOT / f).exists() for f in files), line
+        else:
+            continue
+        checked += 1
+    assert checked >= 3  # make demo, make test, the quickstart's regen preflight
