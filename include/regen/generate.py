@@ -326,7 +326,8 @@ class ShardRun:
             # every row of this shard is in: it is published while the others still generate
             shard.journal.close()
             shard.journal = None
-            shard.publishing = asyncio.ensure_future(asyncio.to_thread(self._publish, shard))
+            # submitted now (run_in_executor), not when the loop next runs a task (to_thread)
+            shard.publishing = asyncio.get_running_loop().run_in_executor(None, self._publish, shard)
 
     def _check_errors(self, shard: _Shard) -> None:
         bound = self.cfg.generation.max_error_fraction * max(shard.total, 1)
