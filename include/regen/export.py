@@ -182,18 +182,18 @@ JSONL_BYTES_PER_TEXT_BYTE = 1.3
 EVENTS_FACTOR = 3.0
 
 
-def _room_for(layout: RunLayout, out: Path, events: bool) -> int:
-    """The export's estimated size, refused before anything is written when ``out``'s disk has not
-    that much free (a seed-sized export is tens of GB: it must not fill the disk half-way)."""
-    estimate = sum(arrow_bytes_per_row(layout.parquet(path), list(TEXT_COLUMNS)) * layout.parquet(path).metadata.num_rows
-                   for path in layout.data_files()) * JSONL_BYTES_PER_TEXT_BYTE * (EVENTS_FACTOR if events else 1)
+def _room_for(layout: RunLayout, out: Path, events: bool) -> None:
+    """Refused before anything is written when ``out``'s disk has not room for the export's
+    estimated size (a seed-sized export is tens of GB: it must not fill the disk half-way)."""
+    files = [layout.parquet(path) for path in layout.data_files()]
+    estimate = (sum(arrow_bytes_per_row(f, list(TEXT_COLUMNS)) * f.metadata.num_rows for f in files)
+                * JSONL_BYTES_PER_TEXT_BYTE * (EVENTS_FACTOR if events else 1))
     folder = out if out.is_dir() else out.parent
     free = shutil.disk_usage(folder).free
     if estimate > free:
         raise DataError(f"{out}: the export needs about {estimate / 2**30:,.1f} GB and {folder} has "
                         f"{free / 2**30:,.1f} GB free; nothing written (free space, or --out elsewhere)")
     log.info("exporting about %.1f GB to %s", estimate / 2**30, out)
-    return int(estimate)
 
 
 def _export(data_dir: str | Path | RunLayout, out: str | Path, record, unit: str = "records", samples=None,
@@ -201,9 +201,10 @@ def _export(data_dir: str | Path | RunLayout, out: str | Path, record, unit: str
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = ExportResult(out, unit=unit)
-    _room_for(RunLayout.from_data_arg(data_dir), out, unit == "events")
+    layout = RunLayout.from_data_arg(data_dir)
+    _room_for(layout, out, unit == "events")
     with atomic_file(out) as fh:
-        for rows in iter_batches(RunLayout.from_data_arg(data_dir), columns=columns, max_batch_bytes=EXPORT_BATCH_BYTES):
+        for rows in iter_batches(layout, columns=columns, max_batch_bytes=EXPORT_BATCH_BYTES):
             for row in (samples(rows) if samples else rows):
                 docs, reason = record(row)
                 if reason:

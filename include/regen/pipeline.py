@@ -62,14 +62,9 @@ def run(name: str, cfg: RunConfig, node: str | None = None, run_id: str | None =
     try:
         result = _dispatch(entry, cfg, node, run_id, kwargs)
     except RegenError as exc:
-        if name in SETUP_NEXT_STEP:
-            failure = setup_failure(name, exc)
-            log.error("%s failed: %s", name, failure["reason"])  # the reason, before Airflow's traceback
-            if name in KEPT_IN_OUTPUT:
-                RunProgress(cfg.layout).write_section(SETUP_FAILED, failure)
+        if name in SETUP_NEXT_STEP:  # the reason, before Airflow's traceback
+            log.error("%s failed: %s", name, setup_failure(name, exc)["reason"])
         raise
-    if name in KEPT_IN_OUTPUT:
-        RunProgress(cfg.layout).clear_section(SETUP_FAILED)
     if log_summary:
         for line in result.summary_lines():
             log.info("%s", line)
@@ -78,8 +73,9 @@ def run(name: str, cfg: RunConfig, node: str | None = None, run_id: str | None =
 
 # Stages whose failure nothing else shows on the run page and in `regen summary` (the canary, the
 # shards and the audit write their own): their reason and next step. Staging's and the servers'
-# are kept in progress.json until the stage passes (the run holds the output by then); a failed
-# preflight's goes to its task's XCom instead (the output may be another run's: dags/).
+# are kept in progress.json, by the node that ran them (where the output is), one part per stage
+# and node, until the stage passes there (the run holds the output by then); a failed preflight's
+# goes to its task's XCom instead (the output may be another run's: dags/).
 SETUP_FAILED = "setup_failed"
 SETUP_DETAILS = 12
 KEPT_IN_OUTPUT = ("stage_weights", "start_servers")
@@ -152,7 +148,24 @@ def _call(entry: Stage, cfg: RunConfig, kwargs: dict[str, Any]) -> dict:
     kwargs = dict(kwargs)
     held_by = kwargs.pop("held_by", None)
     with holding_output(cfg.layout, held_by) if held_by else contextlib.nullcontext():
-        return _as_document(entry.function()(_here(cfg), **kwargs))
+        try:
+            result = entry.function()(_here(cfg), **kwargs)
+        except RegenError as exc:
+            _keep_setup_failure(entry.name, cfg, exc)
+            raise
+        _keep_setup_failure(entry.name, cfg, None)
+        return _as_document(result)
+
+
+def _keep_setup_failure(name: str, cfg: RunConfig, exc: RegenError | None) -> None:
+    """A setup stage's failure kept in the output's progress (None: it passed, the part goes)."""
+    if name not in KEPT_IN_OUTPUT:
+        return
+    part = f"{SETUP_FAILED}.{name}.{cfg.node or 'run'}"
+    if exc is None:
+        RunProgress(cfg.layout).clear_section(part)
+    else:
+        RunProgress(cfg.layout).write_section(part, setup_failure(name, exc))
 
 
 def _here(cfg: RunConfig) -> RunConfig:

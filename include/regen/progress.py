@@ -18,9 +18,8 @@ from regen.layout import RunLayout, is_shard_key, shard_key
 
 log = logging.getLogger("regen.progress")
 
-# The throughput history holds at most this many points over the whole run: once past it, the
-# points before the newest HISTORY_RECENT keep one in two (older hours thinned again and again), so a
-# multi-day run's chart starts at its start, its file stays ~200 KB, and the last minutes keep 5 s.
+# The throughput history holds at most this many points over the whole run (thin_history), so a
+# multi-day run's chart starts at its start, its file stays under ~200 KB, and the last minutes keep 5 s.
 HISTORY_POINTS = 2000
 HISTORY_RECENT = 500
 HISTORY_LINE_BYTES = 64  # fewer than a point's line (~85): a file past POINTS of them is counted

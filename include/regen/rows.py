@@ -93,8 +93,9 @@ AUDIT_COLUMNS = tuple(f.name for f in fields(Row) if f.metadata["audit"])
 TOKEN_COLUMNS = ("prompt_token_ids", "completion_token_ids", "turns")
 TEXT_COLUMNS = tuple(c for c in AUDIT_COLUMNS if c not in TOKEN_COLUMNS)
 REQUIRED_COLUMNS = ("id", "messages", "content")  # a user's own Parquet may hold only these
-# A row as Python objects holds up to this many times its Arrow bytes (an int32 id becomes an int
-# object and a list slot: 36 bytes for 4; text about 1x): batches are sized by it.
+# A token id as a Python object: an int and its list slot (4 bytes in Arrow). A row as Python
+# objects holds up to about this many times its Arrow bytes (text about 1x): batches are sized by it.
+PYTHON_BYTES_PER_ID = 36
 PYTHON_BYTES_PER_ARROW_BYTE = 10
 
 

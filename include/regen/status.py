@@ -160,8 +160,8 @@ def attention(progress: dict, audit: dict | None) -> list[dict[str, Any]]:
     error and next step, a failed audit and why. Empty: nothing to do. Each item's ``kind`` is
     "stopped" or "problem"."""
     items = []
-    setup = progress.get("setup_failed")
-    if setup:
+    for key in sorted(k for k in progress if k.startswith("setup_failed")):  # regen.pipeline.SETUP_FAILED
+        setup = progress[key]
         items.append({"kind": "problem", "what": f"{setup['stage']} failed: {setup['reason']}",
                       "details": setup.get("details") or [], "next": setup["next"]})
     by_shard = sorted((progress.get("shards") or {}).values(), key=lambda s: s.get("shard", 0))

@@ -24,7 +24,7 @@ from regen.errors import ShardFailed
 from regen.files import atomic_path
 from regen.layout import RunLayout, shard_name
 from regen.machine import node_name
-from regen.rows import ROW_SCHEMA
+from regen.rows import PYTHON_BYTES_PER_ID, ROW_SCHEMA
 from regen.turns import resumed_answers
 
 log = logging.getLogger("regen.store")
@@ -92,17 +92,18 @@ class Journal:
                     yield row
 
 
-# A publish batch's rows: their text and token ids as Python objects (an id is 36 bytes of them).
+# A publish batch's rows: their text and token ids as Python objects.
 PUBLISH_BATCH_BYTES = 256 << 20
 
 
 def _row_bytes(row: dict) -> int:
-    """Roughly what a row holds as Python objects: its text, and 36 bytes per token id."""
+    """Roughly what a row holds as Python objects: its text and its token ids."""
     def size(value) -> int:
         if isinstance(value, str):
             return len(value)
         if isinstance(value, list):  # token ids are all numbers: counted, not walked
-            return sum(size(v) for v in value) if value and isinstance(value[0], (str, dict, list)) else 36 * len(value)
+            return (sum(size(v) for v in value) if value and isinstance(value[0], (str, dict, list))
+                    else PYTHON_BYTES_PER_ID * len(value))
         if isinstance(value, dict):
             return sum(size(v) for v in value.values())
         return 8

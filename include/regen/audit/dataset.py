@@ -28,6 +28,7 @@ from regen.chat.render import load_tokenizer, resolve_training
 from regen.childpool import ChildPool
 from regen.chat.templates import TRAIN_TEMPLATES, recipe
 from regen.config import RunConfig
+from regen.config.options import AuditOptions
 from regen.errors import DataError
 from regen.files import atomic_path, atomic_write_json, atomic_write_text
 from regen.layout import AuditFiles, RunLayout, parse_shard_file
@@ -247,7 +248,7 @@ def memory_plan(memory_bytes: float, workers: int) -> tuple[int, int]:
 
 def audit_dataset(data: str | Path | RunLayout, tokenizer_dir: str | Path, report_dir: str | Path,
                   thresholds: AuditThresholds, default_thinking: bool = True,
-                  batch_size: int = 512, workers: int | None = None, memory_gb: float = 8.0) -> AuditReport:
+                  batch_size: int = 512, workers: int | None = None, memory_gb: float | None = None) -> AuditReport:
     """``data``: an output directory or its data/. ``workers``: processes to audit with; default
     every core once the data is large enough to pay for their start-up (a few seconds each), as
     many as ``memory_gb`` holds with their batches (sized by bytes, not rows)."""
@@ -257,6 +258,8 @@ def audit_dataset(data: str | Path | RunLayout, tokenizer_dir: str | Path, repor
     rows = count_rows(layout)
     if workers is None:
         workers = (os.cpu_count() or 1) if rows >= 8 * batch_size else 1
+    if memory_gb is None:  # the schema's default, as a run's config would give it
+        memory_gb = AuditOptions.model_fields["audit_memory_gb"].default
     asked = workers
     workers, batch_bytes = memory_plan(memory_gb * (1 << 30), workers)
     thresholds = resolved(thresholds, load_tokenizer(str(tokenizer_dir)))
