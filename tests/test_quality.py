@@ -12,7 +12,7 @@ import pytest
 
 from regen.quality import QualityFailed, over_bound, repetition_loop
 from regen.servers.probe import free_port_base
-from support.data import write_prompts
+from support.data import write_conversations, write_prompts
 from support.engines import sim_requests_total
 
 LOOP = "I will add the numbers. " + "Wait, let me re-check that step once more. " * 12
@@ -89,6 +89,12 @@ def test_loops_are_counted_by_the_canary_the_audit_and_the_card_and_fail_the_can
                                extra_server_args=["--sim-loop-rate", "0.1"])
     with pytest.raises(CanaryFailed, match="answers loop .* raise temperature .* presence_penalty"):
         canary(cfg)
+    # Three-turn conversations: most loops fill an earlier turn and stop the conversation there;
+    # they are still named as loops, not as failed requests.
+    talks = cfg.model_copy(update={"prompts": str(write_conversations(tmp_path / "c.jsonl", 40))})
+    with pytest.raises(CanaryFailed, match="answers loop .* presence_penalty") as failed:
+        canary(talks)
+    assert "requests failed" not in str(failed.value)
     loose = cfg.model_copy(update={"audit": cfg.audit.model_copy(update={"max_loop_fraction": 0.5})})
     _shard(loose, records).run()
     with pytest.raises(AuditFailed):

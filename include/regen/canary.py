@@ -22,6 +22,7 @@ from regen.errors import RegenError
 from regen.generate import generate_rows
 from regen.placement import servers_for
 from regen.progress import RunProgress
+from regen.quality import text_findings
 from regen.prompts import Prompt, read_prompts
 from regen.results import CanaryReport
 from regen.servers.plan import against_plan, reported_under_use
@@ -203,6 +204,12 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
                                                        cfg.enable_thinking)
     result = CanaryResult(rows)
     n = len(samples)  # the samples training will see: one per assistant turn in the events layout
+    for row, res in zip(samples, results):
+        # A conversation stopped by a turn that hit max_tokens or looped holds that turn: named by
+        # its cause (with the cause's advice), not as a failed request.
+        cause = [f for f in text_findings(row, cfg.enable_thinking) if f in ("truncated", "repetition_loop")]
+        if "earlier_turn_cut" in res["findings"] and cause:
+            res["findings"] = [f for f in res["findings"] if f != "error"] + cause
 
     def check(finding: str, message: str, limit: float = MAX_BAD_FRACTION, plausible: float | None = None) -> None:
         """A problem when more than ``limit`` of the samples have the finding, or (``plausible``)
