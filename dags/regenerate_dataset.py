@@ -65,19 +65,15 @@ def _run(name: str, **kwargs):
 
 def _deadline(name: str) -> dict:
     """A task's execution_timeout: its stage's deadline (regen.stages) with the schema's startup
-    timeout, set again just before it runs from the run's own values (and, for a shard, from the
-    canary's estimate), plus the grace a remote stage gets to stop by itself on its node."""
+    timeout, set again just before it runs from the run's own values, plus the grace a remote stage
+    gets to stop by itself on its node. A shard's is a backstop: regen holds its deadline, which
+    moves with the shard's pace (regen.generate.shard_deadline_s)."""
     from regen.config.options import ServerOptions
     from regen.remote import DEADLINE_GRACE_S
     from regen.stages import stage
 
     def from_the_run(context) -> None:
-        kwargs = {}
-        if name == "generate":  # imported here only: preflight must be the first to meet a broken module
-            from regen.generate import shard_deadline_s
-
-            kwargs["deadline_s"] = shard_deadline_s((context["ti"].xcom_pull(task_ids="canary") or {}).get("estimate"))
-        seconds = stage(name).deadline(float(context["params"]["startup_timeout_s"]), kwargs) + DEADLINE_GRACE_S
+        seconds = stage(name).deadline(float(context["params"]["startup_timeout_s"])) + DEADLINE_GRACE_S
         context["task"].execution_timeout = timedelta(seconds=seconds)
 
     startup = ServerOptions.model_fields["startup_timeout_s"].default
@@ -153,9 +149,8 @@ Approve to start the shards; reject to stop the run here (its servers are stoppe
       pool=SHARD_POOL, trigger_rule="none_failed_min_one_success",  # straight from the gate, or approved
       **_deadline("generate"))
 def generate(shard: int, params=None) -> str:
-    """A shard; its attempt has a deadline derived from the canary's estimate (a hung node or
-    command fails it, and its retry resumes): regen stops the shard at it, Airflow's
-    execution_timeout a little later if regen could not."""
+    """A shard; its attempt has a deadline from the canary's estimate, moved by its own pace while
+    its rows come in (a hung node or command fails it, and its retry resumes)."""
     from regen.generate import shard_deadline_s
 
     context = get_current_context()

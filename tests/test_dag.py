@@ -334,10 +334,10 @@ def test_the_api_key_is_in_no_log_and_no_file_regen_writes(airflow_db, deployed_
     assert all(p.stat().st_mode & 0o077 == 0 for p in server_logs)  # owner only
 
 
-def test_every_task_has_a_deadline_and_a_shards_comes_from_the_canarys_estimate():
+def test_every_task_has_a_deadline_and_a_shards_is_a_backstop_no_estimate_sets():
     """Each task's execution_timeout is its stage's deadline (regen.stages) plus the remote grace;
-    just before a shard runs, its hook sets it from the canary's estimate (4x the run's ETA, at
-    least 30 minutes), and a start from the run's own startup timeout."""
+    a start's hook sets it from the run's own startup timeout. A shard's is the stage's week
+    whatever the canary estimated: regen holds the shard's deadline, which moves with its pace."""
     from datetime import timedelta
 
     from regen.remote import DEADLINE_GRACE_S
@@ -347,17 +347,13 @@ def test_every_task_has_a_deadline_and_a_shards_comes_from_the_canarys_estimate(
         assert task.execution_timeout is not None, task.task_id
     assert dag.get_task("approve").response_timeout == timedelta(days=1)  # the servers' approval hold
 
-    class TaskInstance:
-        def xcom_pull(self, task_ids):
-            return {"estimate": {"eta_s": 3600.0}}
-
     class Running:  # the task instance's operator, whose timeout the runner reads after the hook
         execution_timeout = None
 
     shard, start = Running(), Running()
-    context = {"ti": TaskInstance(), "params": {"startup_timeout_s": 60}}
+    context = {"params": {"startup_timeout_s": 60}}
     dag.get_task("generate").partial_kwargs["pre_execute"]({**context, "task": shard})
-    assert shard.execution_timeout == timedelta(seconds=4 * 3600 + DEADLINE_GRACE_S)
+    assert shard.execution_timeout == timedelta(days=7, seconds=DEADLINE_GRACE_S)
     dag.get_task("start_servers")._pre_execute_hook({**context, "task": start})
     assert start.execution_timeout == timedelta(seconds=60 + 900 + DEADLINE_GRACE_S)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from regen.markdown import markdown_literal
 from support.data import TOOLS, row, write_dataset
 from support.paths import BIN
 
@@ -164,6 +165,9 @@ def test_the_specforge_recipe_accounts_for_every_prompt_and_its_files_pass_its_s
                               "--train-max-length", "4096"], capture_output=True, text=True, timeout=300)
     assert json.loads((Path(cfg.output) / "audit" / "summary.json").read_text())["train_view"]["max_length"] == 4096, \
         audited.stderr[-2000:]
+    card = (Path(cfg.output) / "README.md").read_text()  # rewritten by this audit, from what the run recorded
+    assert "cut at 4,096 tokens" in card and f"target model {markdown_literal(str(tiny_model))}" in card
+    assert f"| temperature | {markdown_literal(cfg.sampling.temperature)} |" in card and "not recorded" not in card
 
     def export(folder: str, *flags: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(BIN / "regen"), "export", "--data", cfg.output, "--format", "specforge", "--tokenizer",

@@ -276,6 +276,8 @@ def test_sigkills_of_a_shard_writing_to_a_bucket_lose_and_duplicate_nothing(buck
     assert "audit PASS" in audit.stdout, audit.stdout + audit.stderr
     summary = json.loads((report / "summary.json").read_text())
     assert sum(summary["provenance"]["rows_per_settings_hash"].values()) == len(df)
+    card = fs.open_input_stream(f"{root}/README.md").read().decode()  # every audit writes the card
+    assert card.startswith("---") and f"{len(df):,} conversations" in card and "Audit: PASS" in card
     assert summary["counts"]["duplicate_id"] == 0
     out = tmp_path / "train.jsonl"
     subprocess.run([str(BIN / "regen"), "export", "--data", url, "--format", "sharegpt", "--out", str(out),

@@ -496,25 +496,27 @@ def test_a_retry_follows_the_shard_its_killed_attempt_left_running_on_the_node(f
 
 
 @pytest.mark.slow
-def test_a_node_gone_silent_fails_the_attempt_at_its_deadline_and_the_retry_resumes(
+def test_a_node_gone_silent_fails_the_attempt_at_its_deadline_and_its_job_goes_on_there(
         flaky_node, monkeypatch):
-    """The node stops answering for good, new connections too: the attempt fails at its deadline
-    (plus the grace the node gets to stop by itself), naming the node; the node's own job stops at
-    the deadline with its journal written; once the node answers again the retry requests only
-    the turns without a journaled answer. About 60 s."""
+    """The link to the node goes silent for good (new connections too) as the shard starts: the
+    attempt fails at its deadline (plus the grace the node gets to stop by itself), naming the
+    node. The node's own job is healthy: its rows keep coming in, so its deadline moves with its
+    pace and it finishes the shard there, journal and publish included; once the node answers
+    again the retry sends nothing. A deadline the node's log moves (while the link lives) moves
+    the follower's too. About 60 s."""
     import threading
     import time
-    from collections import Counter
 
     from regen import remote
     from regen.errors import RemoteError
-    from regen.layout import RunLayout
-    from regen.store import Journal
+
+    follower = remote.Follower("n", "f", ends=100.0, started=50.0)
+    follower.take(b"shard-00000-of-00001: deadline moved to 600 s, 4x what its 9 rows left take")
+    assert follower.ends == 50.0 + 600 + remote.DEADLINE_GRACE_S
 
     relay, cfg, log = flaky_node
     monkeypatch.setattr(remote, "DEADLINE_GRACE_S", 5.0)
-    journal = RunLayout(cfg.output).journal(0, 1)
-    deadline_s = 12.0
+    deadline_s = 20.0  # the shard is about 36 s of work
     outcome: dict = {}
 
     def attempt() -> None:
@@ -526,27 +528,21 @@ def test_a_node_gone_silent_fails_the_attempt_at_its_deadline_and_the_retry_resu
     worker = threading.Thread(target=attempt)
     started = time.monotonic()
     worker.start()
-    wait_until(lambda: journaled(cfg) >= 3, 60, "conversations finished on the node")
+    wait_until(lambda: processes_with_args("run-stage", "generate") != [], 60, "the shard started on the node")
     relay.hang_new = True
     relay.hang()
     worker.join(timeout=120)
     elapsed = time.monotonic() - started
     assert "error" in outcome, outcome
-    assert "on flaky_node did not end within 17 s" in str(outcome["error"])
+    assert "on flaky_node did not end within 25 s" in str(outcome["error"])
     assert deadline_s + 5 <= elapsed < deadline_s + 5 + 15  # the job's stop is tried, briefly
-    wait_until(lambda: processes_with_args("run-stage", "generate") == [], 60, "the node's attempt stopped")
-    finished = {r["id"] for r in Journal.rows(journal)}
-    turns_done = Counter()
-    for row in Journal.rows(journal, partial=True):
-        turns_done[row["id"]] = max(turns_done[row["id"]], row["turn"] + 1)
-    assert 0 < len(finished) < 24  # the node stopped at its deadline, mid-shard
+    wait_until(lambda: processes_with_args("run-stage", "generate") == [], 120, "the node's job finished")
+    assert output_ids(cfg) == sorted(f"c{i}" for i in range(24))  # past its first deadline
 
     log.unlink()
     relay.hang_new = False
     run("generate", cfg, shards=[0])  # the retry: a new connection, which the link carries again
-    expected = Counter({(f"Conversation {i}", k): 1 for i in range(24) if f"c{i}" not in finished
-                        for k in range(turns_done[f"c{i}"], 2)})
-    assert requested_turns(log) == expected
+    assert not log.exists() or requested_turns(log) == {}
     assert output_ids(cfg) == sorted(f"c{i}" for i in range(24))
 
 

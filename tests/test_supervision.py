@@ -78,27 +78,49 @@ def test_the_limit_is_sglangs_effective_one_and_shared_by_every_shard(sim_server
     assert len(df) == 120 and df["id"].is_unique
 
 
-def test_a_shard_past_its_deadline_fails_and_its_retry_resumes(sim_servers, tmp_path):
-    """A slow (or hung) node: the attempt fails at its deadline, naming it, with what it finished
-    kept; the retry sends only the rest. The DAG's deadline comes from the canary's estimate."""
+def test_a_shards_deadline_moves_with_its_pace_and_a_hung_one_fails_there_and_its_retry_resumes(
+        sim_servers, tmp_path, caplog, monkeypatch):
+    """A canary's estimate far too low (a 2 s deadline for a shard of several seconds) fails no
+    shard: the deadline moves with the shard's own pace while rows come in (it failed at 2 s
+    before). A server that stops answering (SIGSTOP) with rows left: no row comes in, the attempt
+    fails at its last deadline with what it finished kept; the retry sends only the rest."""
+    import logging
+
+    from regen import generate
     from regen.dispatch import ClientTuning
     from regen.errors import ShardFailed
     from regen.generate import SHARD_DEADLINE_FLOOR_S, ShardRun, shard_deadline_s
 
     assert shard_deadline_s({"eta_s": 3600}) == 4 * 3600 and shard_deadline_s({"eta_s": 60}) == SHARD_DEADLINE_FLOOR_S
     assert shard_deadline_s(None) is None and shard_deadline_s({"eta_s": None}) is None
-    cfg, records = sim_servers(num_servers=1, sim_tokens_per_second=80, concurrency_per_server=4)
+    cfg, records = sim_servers(num_servers=1, sim_tokens_per_second=400, concurrency_per_server=4)
     prompts = write_prompts(tmp_path / "p.jsonl", 40)
     cfg = cfg.model_copy(update={"prompts": str(prompts), "num_shards": 1})
-    endpoints = [(r.url, r.api_key) for r in records]
-    with pytest.raises(ShardFailed, match="passed its deadline of 4 s"):
-        ShardRun(cfg, endpoints, 0, records[0].model_fingerprint, ClientTuning(), deadline_s=4).run()
+    endpoints, tuning = [(r.url, r.api_key) for r in records], ClientTuning(progress_interval_s=0.5)
+    with caplog.at_level(logging.INFO, "regen.generate"):
+        paced = ShardRun(cfg, endpoints, 0, records[0].model_fingerprint, tuning, deadline_s=2).run()
+    assert paced.shards[0].done == 40 and paced.seconds > 2 and "deadline moved to" in caplog.text
+
+    monkeypatch.setattr(generate, "SHARD_DEADLINE_FACTOR", 1.0)  # the hang met sooner: seconds, not 4x them
+    hung = cfg.model_copy(update={"output": str(tmp_path / "hung")})
+    server = records[0].pid
+    came: list[str] = []
+
+    def stop_at_30(row: dict) -> None:
+        came.append(row["id"])
+        if len(came) == 30:
+            os.kill(server, signal.SIGSTOP)
+
+    try:
+        with pytest.raises(ShardFailed, match="passed its deadline of [0-9]+ s"):
+            ShardRun(hung, endpoints, 0, records[0].model_fingerprint, tuning, on_row=stop_at_30, deadline_s=2).run()
+    finally:
+        os.kill(server, signal.SIGCONT)
     sent_first = sim_requests_total(records[0].url)
-    assert 0 < sent_first < 40
-    done = ShardRun(cfg, endpoints, 0, records[0].model_fingerprint, ClientTuning()).run()
-    assert done.failed == 0 and done.skipped > 0  # finished rows kept
-    assert sim_requests_total(records[0].url) - sent_first <= 40 - done.skipped + 4  # the rest, and what was cut
-    df = pd.read_parquet(Path(cfg.output) / "data")
+    done = ShardRun(hung, endpoints, 0, records[0].model_fingerprint, tuning).run()
+    assert done.failed == 0 and done.skipped >= 30  # finished rows kept
+    assert sim_requests_total(records[0].url) - sent_first <= 40 - done.skipped  # the rest only
+    df = pd.read_parquet(Path(hung.output) / "data")
     assert sorted(df["id"]) == sorted(read_ids(prompts)) and df["id"].is_unique
 
 

@@ -34,6 +34,7 @@ from regen.progress import RunProgress
 from regen.prompts import Prompt, PromptError, read_at
 from regen.quality import QualityFailed, QualityGuard
 from regen.results import GenerateResult, ShardResult
+from regen.stages import DEADLINE_MOVED
 from regen.servers.records import read_state
 from regen.parts import shard_store
 from regen.store import Journal, ShardStore
@@ -128,6 +129,7 @@ class ShardRun:
         self.gen: Generator | None = None
         self.eps: list = []
         self.last_reply: float | None = None  # monotonic: when the attempt's last row came in
+        self.paced_rows = 0  # the attempt's rows when its deadline was last looked at (_keep_pace)
 
     @property
     def name(self) -> str:
@@ -243,8 +245,8 @@ class ShardRun:
                 self.gen = Generator(pool, self.cfg, self.tuning, self._sink, self._append,
                                      reasoning_sent(self.cfg, doc, [e.served_path for e in eps]), self.guard)
                 self._report()
-                reporter = asyncio.create_task(self._reporter())
                 deadline = asyncio.timeout(self._time_left())
+                reporter = asyncio.create_task(self._reporter(deadline))
                 try:
                     async with deadline:  # never wait_for: it can lose a cancellation (Python 3.11)
                         await self.gen.run(self._conversations(work))
@@ -252,8 +254,8 @@ class ShardRun:
                     if not deadline.expired():
                         raise
                     failure = ShardFailed(f"{self.name} passed its deadline of {self.deadline_s:.0f} s "
-                                          f"(derived from the canary's estimate); what it finished is kept and "
-                                          f"its retry resumes from there")
+                                          f"(from the canary's estimate, moved by its own pace while rows came "
+                                          f"in); what it finished is kept and its retry resumes from there")
                     self._report("failed", str(failure))
                     raise failure from None
                 except BaseException as exc:
@@ -364,7 +366,23 @@ class ShardRun:
         docs = [self._report_shard(s, state, reason) for s in self.shards.values() if not s.up_to_date]
         return docs[0] if docs else {}
 
-    async def _reporter(self) -> None:
+    def _keep_pace(self, deadline: asyncio.Timeout, done: int, left: int) -> None:
+        """Move the deadline out to SHARD_DEADLINE_FACTOR times what the rest takes at this
+        attempt's own pace, each time rows came in since the last look: a canary's estimate that
+        was too low never fails an honest shard; a hung one (no new row) meets the last deadline."""
+        came_in, self.paced_rows = done > self.paced_rows, done
+        if self.deadline_s is None or not came_in or left <= 0:
+            return
+        elapsed = time.monotonic() - self.started
+        paced = elapsed + SHARD_DEADLINE_FACTOR * left * elapsed / done
+        if paced > self.deadline_s * 1.1:  # in steps, so that a long run logs it a few times
+            self.deadline_s = paced
+            deadline.reschedule(self.started + paced)
+            log.info("%s: %s %.0f s, %.0fx what its %s rows left take at its own pace (%s rows in %s)",
+                     self.name, DEADLINE_MOVED, paced, SHARD_DEADLINE_FACTOR, f"{left:,}", f"{done:,}",
+                     format_duration(elapsed))
+
+    async def _reporter(self, deadline: asyncio.Timeout) -> None:
         while True:
             await asyncio.sleep(self.tuning.progress_interval_s)
             await asyncio.gather(*(scrape_metrics(e) for e in self.eps))
@@ -380,6 +398,7 @@ class ShardRun:
             done = sum(s.skipped + s.done for s in work)
             rows_s, tok_s = self.gen.rates()
             left = total - done - sum(s.failed for s in work)
+            self._keep_pace(deadline, sum(s.done + s.failed for s in work), left)
             pool = self.gen.pool
             log.info("%s: %s/%s done, %d failed, %s tok/s, ETA %s; %d requests on the server holding their "
                      "prefix, %d moved", self.name, f"{done:,}", f"{total:,}", sum(s.failed for s in work),
@@ -436,8 +455,9 @@ def generate(cfg: RunConfig, shards: list[int], endpoints: list[str] | None = No
 
 
 # A shard attempt gets this many times the canary's estimate of the whole run (one shard cannot
-# honestly take longer than all of them), and never less than the floor: a deadline catches a
-# hung node or command, not a slow run.
+# honestly take longer than all of them), and never less than the floor; while its rows come in,
+# this many times what its rest takes at its own pace (ShardRun._keep_pace): a deadline catches a
+# hung node or command, not a slow run or a low estimate.
 SHARD_DEADLINE_FACTOR = 4.0
 SHARD_DEADLINE_FLOOR_S = 1800.0
 

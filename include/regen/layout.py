@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
+from regen.errors import DataError
 from regen.objectstore import (LocalStore, ObjectStore, is_store_url, local_path, open_store, published_files,
                                slug)
 
@@ -127,8 +128,11 @@ class RunLayout:
             url = str(path).rstrip("/")
             return cls.for_output(url[:-len("/data")] if url.endswith("/data") else url, work_dir=work_dir)
         path = local_path(path)
-        if path.name == "data" or (not (path / "data").is_dir() and any(path.glob("*.parquet"))):
+        if path.name == "data":
             return cls(path.parent)
+        if not (path / "data").is_dir() and any(path.glob("*.parquet")):  # read as <path>/data would be wrong
+            raise DataError(f"{path}: Parquet files outside a data/ folder; --data takes an output folder "
+                             f"or its data/ (move them into {path / 'data'})")
         return cls(path)
 
     # --- the dataset and what a person reads ---------------------------------------------

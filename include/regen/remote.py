@@ -26,16 +26,18 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 import secrets
 import shlex
 import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from regen.config import RunConfig
 from regen.errors import RemoteError
+from regen.stages import DEADLINE_MOVED
 
 log = logging.getLogger("regen.remote")
 
@@ -63,6 +65,7 @@ JOBS_DIR = (".cache", "regen", "jobs")  # one folder per detached job: pid, log,
 # A channel quiet this long gets a keepalive; one unanswered this long means the link is gone.
 KEEPALIVE_S = 15.0
 LINK_SILENT_S = 20.0
+MOVED_DEADLINE = re.compile(re.escape(DEADLINE_MOVED) + r" ([0-9]+) s")
 
 
 def stage_input(cfg: RunConfig) -> str:
@@ -253,6 +256,8 @@ class Follower:
     offset: int = 0
     result_marker: str | None = None
     result: str | None = None
+    ends: float | None = None  # monotonic: when to give up on the job (None: never)
+    started: float = field(default_factory=time.monotonic)
 
     def __post_init__(self):
         self.lines: list[str] = []
@@ -263,18 +268,23 @@ class Follower:
         if self.result_marker and line.startswith(self.result_marker):
             self.result = line[len(self.result_marker):]
             return
+        moved = MOVED_DEADLINE.search(line)
+        if moved and self.ends is not None:  # the job's deadline moved with its pace: wait for it
+            self.ends = max(self.ends, self.started + float(moved.group(1)) + DEADLINE_GRACE_S)
         if line:
             log.info("[%s] %s", self.conn_id, line)
         self.lines.append(line)
         del self.lines[:-self.keep_lines]
 
-    def attach(self, client, ends: float | None) -> str:
-        """Follow until the job ends (its exit status, or "lost") or the link drops (LinkDropped)."""
+    def attach(self, client) -> str:
+        """Follow until the job ends (its exit status, or "lost"), the link drops (LinkDropped) or
+        ``ends`` passes (TimeoutError)."""
         marker = f"regen-end-{secrets.token_hex(8)}"
         channel = client.get_transport().open_session()
         channel.exec_command(follow_script(self.folder, self.offset, marker))
         head, first = b"", True
         while True:
+            ends = self.ends
             if ends is not None and time.monotonic() >= ends:
                 channel.close()
                 raise TimeoutError
@@ -316,8 +326,7 @@ def run_detached(conn_id: str, job: str, argv: list[str], upload: str, result_ma
     ``{upload}`` in argv naming it. Given up (RemoteError, the job stopped) after ``deadline_s``
     or when the task is stopped."""
     folder = "/".join((*JOBS_DIR, job))
-    ends = None if deadline_s is None else time.monotonic() + deadline_s
-    follower = Follower(conn_id, folder)
+    follower = Follower(conn_id, folder, ends=None if deadline_s is None else time.monotonic() + deadline_s)
     client = open_client(conn_id)
     launched = False
     try:
@@ -334,18 +343,19 @@ def run_detached(conn_id: str, job: str, argv: list[str], upload: str, result_ma
             log.info("[%s] an earlier attempt's job %s still runs there: following it", conn_id, folder)
         while True:
             try:
-                status = follower.attach(client, ends)
+                status = follower.attach(client)
                 break
             except LinkDropped as exc:
                 log.warning("[%s] link lost (%s); the job goes on on the node; re-attaching", conn_id, exc)
             client.close()
-            client = reconnect(conn_id, ends)
+            client = reconnect(conn_id, follower.ends)
             log.info("[%s] re-attached at byte %d of the job's log", conn_id, follower.offset)
         with contextlib.suppress(Exception):
             client.exec_command(f"rm -rf {shlex.quote(folder)}", timeout=10)[1].channel.recv_exit_status()
     except TimeoutError:
         stop_job(conn_id, folder)
-        raise RemoteError(f"`{shlex.join(argv[:4])}` on {conn_id} did not end within {deadline_s:.0f} s "
+        raise RemoteError(f"`{shlex.join(argv[:4])}` on {conn_id} did not end within "
+                          f"{follower.ends - follower.started:.0f} s "
                           f"(a hung node or command); given up. Last lines:\n" + "\n".join(follower.lines[-10:])) from None
     except BaseException:  # the task was stopped, or this side failed: the job must not generate on, unseen
         if launched:

@@ -18,6 +18,10 @@ from typing import Callable
 
 from regen import results
 
+# How a shard's log says its deadline moved with its pace (regen.generate.ShardRun._keep_pace),
+# followed by the new deadline in seconds from its start: an SSH follower waits that much longer.
+DEADLINE_MOVED = "deadline moved to"
+
 
 class Where(enum.Enum):
     RUN = "where the run's config says (here, or its SSH node)"
@@ -37,7 +41,8 @@ class Stage:
     # How long the stage may take (a task's execution_timeout, a remote command's deadline): long
     # enough for honest work, so that only a hung node or command meets it. The servers' own
     # startup timeout is added for the stage that starts them; a shard's deadline comes from the
-    # canary's estimate (regen.generate.shard_deadline_s) when there is one.
+    # canary's estimate (regen.generate.shard_deadline_s) when there is one, and moves with its
+    # pace: Airflow's execution_timeout for it is the stage's own, a backstop.
     deadline_s: float = 3600.0
     plus_startup_timeout: bool = False
     # It works on the run's output: in a DAG run it holds the output's claim while it runs

@@ -99,8 +99,8 @@ def node_balance(shards: dict[str, dict]) -> dict[str, Any]:
 NEXT_STEPS = (
     ("maximum context length", "prompt plus max_tokens exceed the model's context: lower max_tokens (a new run: a "
      "run's Params are fixed) or raise the servers' --context-length in extra_server_args"),
-    ("passed its deadline", "the shard ran past 4x the canary's estimate (a hung node or server?): check the node "
-     "and `regen logs`, then clear it"),
+    ("passed its deadline", "no row came in to move the shard's deadline past where it was (4x what its rest took at "
+     "its pace): a hung node or server? check the node and `regen logs`, then clear it"),
     ("lost its claim", "another attempt of this shard holds it now: nothing to do unless that one fails"),
     ("HTTP 4", "the servers refuse these requests: fix what the error names (a new run if it is a field)"),
     ("HTTP 5", "the servers failed on these requests: read their logs (`regen logs`, or the serve task's log)"),

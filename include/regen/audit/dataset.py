@@ -322,10 +322,10 @@ def audit(cfg: RunConfig, data: str | None = None, tokenizer: str | None = None,
     doc = result.to_json()
     RunProgress(layout).write_section("audit", doc)
     rows = count_rows(layout)
-    if not data:  # the run's own output: its config says what made it
-        write_card(cfg, layout, doc, result.summary.loss_tokens, rows)
-        if result.passed and not result.partial_note():  # a pass of the whole output (regen.preflight: audit_due)
-            Manifest(layout).update(audit_due=False)
+    judged_by = (tokenizer or cfg.model_path) if data else None  # other data: the card says what it recorded
+    write_card(cfg, layout, doc, result.summary.loss_tokens, rows, tokenizer=judged_by)
+    if not data and result.passed and not result.partial_note():  # a pass of the whole output (preflight: audit_due)
+        Manifest(layout).update(audit_due=False)
     if not result.passed:
         raise AuditFailed("\n".join(result.lines()), doc)
     return AuditResult.model_validate({**doc, "rows": rows, "output": str(layout.root),
