@@ -51,9 +51,12 @@ SPECFORGE_COMMIT = "a6b6b023"  # sgl-project/SpecForge HEAD when this bench was 
 SPECFORGE_MIRROR = Path("/work/.mirror/sgl-project+SpecForge/repo")
 
 
+SLOWDOWN = 0.01  # a request decodes this much slower per other running request
+
+
 def sim_flags(slots: int, speed: float, median: int) -> list[str]:
     return ["--max-running-requests", str(slots), "--sim-tokens-per-second", str(speed),
-            "--sim-batch-slowdown", "0.01", "--sim-prefill-tokens-per-second", "20000",
+            "--sim-batch-slowdown", str(SLOWDOWN), "--sim-prefill-tokens-per-second", "20000",
             "--enable-cache-report", "--sim-reasoning-median", str(median), "--sim-length-sigma", "0.77"]
 
 
@@ -78,10 +81,16 @@ def write_rows(path: Path, rows: int, seed: int = 7) -> int:
 
 
 def fleet_counters(urls: list[str]) -> dict[str, float]:
-    """Summed over the servers: decoding request-seconds, prompt, cached prompt and output tokens."""
+    """Summed over the servers: decoding request-seconds, prompt, cached prompt and output tokens;
+    over them all, the first request's and the last reply's wall-clock time and the longest answer."""
     busy = prompt = cached = generated = 0.0
+    first, last, longest = [], [], 0
     for url in urls:
-        busy += httpx.get(f"{url}/server_info").json()["internal_states"][0]["sim_busy_slot_seconds"]
+        state = httpx.get(f"{url}/server_info").json()["internal_states"][0]
+        busy += state["sim_busy_slot_seconds"]
+        first += [state["sim_first_request_at"]] if state["sim_first_request_at"] else []
+        last += [state["sim_last_reply_at"]] if state["sim_last_reply_at"] else []
+        longest = max(longest, state["sim_longest_completion_tokens"])
         for line in httpx.get(f"{url}/metrics").text.splitlines():
             if line.startswith("sglang:prompt_tokens_total"):
                 prompt += float(line.rsplit(" ", 1)[1])
@@ -89,7 +98,15 @@ def fleet_counters(urls: list[str]) -> dict[str, float]:
                 cached += float(line.rsplit(" ", 1)[1])
             elif line.startswith("sglang:generation_tokens_total"):
                 generated += float(line.rsplit(" ", 1)[1])
-    return {"busy": busy, "prompt": prompt, "cached": cached, "generated": generated}
+    return {"busy": busy, "prompt": prompt, "cached": cached, "generated": generated,
+            "first": min(first, default=None), "last": max(last, default=None), "longest": longest}
+
+
+def work_bound(generated: float, longest: int, speeds: list[float], slots: int) -> float:
+    """The shortest makespan the servers allow for this work: every slot of every server decoding at
+    once, and no less than the longest answer decoding alone (prefill and queueing left out)."""
+    full = sum(slots * speed / (1 + SLOWDOWN * (slots - 1)) for speed in speeds)
+    return max(generated / full, longest / max(speeds))
 
 
 def _regen(*args: str) -> list[str]:
@@ -253,7 +270,7 @@ def main() -> None:
             out = tmp / f"{mode}-{r}"
             with simulated_servers(model, [sim_flags(args.slots, speed, args.median) for speed in speeds]) as urls:
                 before = fleet_counters(urls)
-                started = time.perf_counter()
+                started, started_at = time.perf_counter(), time.time()
                 if mode == "regen":
                     rows = regen_one(prompts, out, urls, args.max_tokens)
                 elif mode == "one-shard":
@@ -267,12 +284,15 @@ def main() -> None:
                 else:
                     rows = router(args.router_python, prompts, urls, args.max_tokens, args.slots,
                                           tmp / f"router-{r}.log")
-                seconds = time.perf_counter() - started
+                seconds, ended_at = time.perf_counter() - started, time.time()
                 after = fleet_counters(urls)
-            served = {k: after[k] - before[k] for k in after}
+            served = {k: after[k] - before[k] for k in ("busy", "prompt", "cached", "generated")}
             capacity = sum(args.slots for _ in urls) * seconds
+            bound = work_bound(served["generated"], after["longest"], speeds, args.slots)
             result = {"seconds": seconds, "rows": rows, "tok_s": served["generated"] / seconds, "busy": served["busy"] / capacity,
-                      "hit": served["cached"] / max(served["prompt"], 1), "uncached": served["prompt"] - served["cached"]}
+                      "hit": served["cached"] / max(served["prompt"], 1), "uncached": served["prompt"] - served["cached"],
+                      "first_request_s": after["first"] - started_at, "after_last_reply_s": ended_at - after["last"],
+                      "over_bound": seconds / bound}
             results[mode].append(result)
             print(f"round {r}: {mode}: {json.dumps(result)}", flush=True)
 
@@ -281,12 +301,15 @@ def main() -> None:
 
     best_peer = min((min(x["seconds"] for x in results[m]) for m in modes if m not in ("regen", "one-shard", "shards")),
                     default=None)
-    rows = ["| client | makespan s (each round) | vs best peer | complete rows | delivered tok/s | servers busy "
-            "| prefix-cache hit | uncached prompt tokens |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| client | makespan s (each round) | vs best peer | over the work bound | to the first request s "
+            "| after the last reply s | complete rows | delivered tok/s | servers busy | prefix-cache hit "
+            "| uncached prompt tokens |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for mode in modes:
         best = min(x["seconds"] for x in results[mode])
         ratio = f"{best_peer / best:.2f}x" if best_peer else "-"
-        rows.append(f"| {clients[mode]} | {each(mode, 'seconds', '{:.1f}')} | {ratio} | {each(mode, 'rows', '{:,}')} "
+        rows.append(f"| {clients[mode]} | {each(mode, 'seconds', '{:.1f}')} | {ratio} "
+                    f"| {each(mode, 'over_bound', '{:.2f}x')} | {each(mode, 'first_request_s', '{:.2f}')} "
+                    f"| {each(mode, 'after_last_reply_s', '{:.2f}')} | {each(mode, 'rows', '{:,}')} "
                     f"| {each(mode, 'tok_s', '{:,.0f}')} | {each(mode, 'busy', '{:.0%}')} | {each(mode, 'hit', '{:.2f}')} "
                     f"| {each(mode, 'uncached', '{:,.0f}')} |")
     body = "\n".join(rows) + (
@@ -296,7 +319,10 @@ def main() -> None:
         f"prefill 20,000 tok/s for uncached prompt tokens, a prefix cache per server), traces log-normal around "
         f"{args.median} words (sigma 0.77), max_tokens {args.max_tokens}. 'vs best peer' = the fastest peer's best "
         f"makespan over this client's best (above 1: faster than every peer). A row is complete when every turn "
-        f"stopped by itself. Tokens and cache hits are the servers' own counters (`/metrics`), the same for every client.")
+        f"stopped by itself. Tokens and cache hits are the servers' own counters (`/metrics`), the same for every client. "
+        f"The work bound: the servers' generated tokens with every slot of every server decoding, and never under the "
+        f"longest answer decoding alone. The first request and the last reply are the servers' own clocks, against the "
+        f"client's start (a process's start-up included) and end.")
     if missing:
         body += " Not run here: " + "; ".join(missing) + "."
     name = ("A realistic fleet" if args.servers == 7 else f"A fleet of {args.servers} servers") + (

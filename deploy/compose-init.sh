@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # What docker-compose.yaml's airflow-init does once, as root, before any other service starts:
-#  - the secrets every Airflow service must share (the JWT secret that signs the tokens a Celery
-#    worker's task presents to the API server, the API's secret key, the Fernet key of connections),
-#    drawn at random on the first `docker compose up` and kept in the airflow-secrets volume, which
-#    every service reads through AIRFLOW__..._CMD (no secret is written into the compose file);
+#  - the secrets Airflow's services share (the JWT secret that signs the tokens a Celery worker's
+#    task presents to the API server, the API's secret key, the Fernet key of connections), drawn at
+#    random on the first `docker compose up` and kept in the airflow-secrets volume, which Airflow's
+#    services read through AIRFLOW__..._CMD (no secret is written into the compose file); the
+#    workers' volume (worker-secrets) gets a copy of the API's key only;
 #  - the web login's password file (user airflow; password $_AIRFLOW_WWW_USER_PASSWORD, else drawn
 #    here and printed once, in this service's log);
 #  - the regen-keys volume (the servers' keys, only the GPU workers mount it) the workers' alone;
@@ -14,13 +15,14 @@
 set -euo pipefail
 
 SECRETS_DIR=${SECRETS_DIR:-/opt/airflow/secrets}
+WORKER_SECRETS_DIR=${WORKER_SECRETS_DIR:-/opt/airflow/worker-secrets}
 DATA_DIR=${DATA_DIR:-/data/regen}
 KEYS_DIR=${KEYS_DIR:-/opt/airflow/regen-keys}
 WORKER_UID=${WORKER_UID:-50000}
 PYTHON=${PYTHON:-python}
 
-mkdir -p "$SECRETS_DIR" "$DATA_DIR"
-chmod 0700 "$SECRETS_DIR"
+mkdir -p "$SECRETS_DIR" "$WORKER_SECRETS_DIR" "$DATA_DIR"
+chmod 0700 "$SECRETS_DIR" "$WORKER_SECRETS_DIR"
 umask 077
 
 draw() {  # draw FILE PYTHON-EXPRESSION: the file's secret, unless it has one
@@ -34,6 +36,11 @@ draw() {  # draw FILE PYTHON-EXPRESSION: the file's secret, unless it has one
 draw jwt_secret "secrets.token_urlsafe(48)"
 draw api_secret_key "secrets.token_urlsafe(48)"
 draw fernet_key "base64.urlsafe_b64encode(secrets.token_bytes(32)).decode()"  # Fernet's key form
+# The Celery workers' one secret: the API's key, which their log server checks requests with.
+if ! cmp -s "$SECRETS_DIR/api_secret_key" "$WORKER_SECRETS_DIR/api_secret_key"; then
+    cp "$SECRETS_DIR/api_secret_key" "$WORKER_SECRETS_DIR/api_secret_key.tmp"
+    mv "$WORKER_SECRETS_DIR/api_secret_key.tmp" "$WORKER_SECRETS_DIR/api_secret_key"
+fi
 if [ ! -s "$SECRETS_DIR/passwords.json" ]; then
     # The password goes through the environment and a file, never a command line (ps would show it).
     if [ -z "${_AIRFLOW_WWW_USER_PASSWORD:-}" ]; then
@@ -57,7 +64,7 @@ if [ ! -f "$DATA_DIR/demo-model/config.json" ]; then
 fi
 
 # The volume's top and what was made here; never a recursive walk of datasets that may be terabytes.
-chown -R "$WORKER_UID:0" "$SECRETS_DIR" "$DATA_DIR/demo-model"
+chown -R "$WORKER_UID:0" "$SECRETS_DIR" "$WORKER_SECRETS_DIR" "$DATA_DIR/demo-model"
 chown "$WORKER_UID:0" "$DATA_DIR"
 # The servers' keys: the GPU workers' user's alone (regen refuses a key folder others can read).
 mkdir -p "$KEYS_DIR"

@@ -43,17 +43,29 @@ def cluster(tmp_path_factory):
         yield from _cluster(home, found)
 
 
-def compose_secrets(home: Path) -> dict[str, str]:
-    """The secrets docker-compose.yaml's services share, drawn by its own init script, and its own
-    settings that read them (their paths moved under ``home``)."""
-    folder = home / "secrets"
+SECRET_SETTINGS = ("_CMD", "PASSWORDS_FILE")
+
+
+def compose_secrets(home: Path) -> tuple[dict[str, str], dict[str, str | None]]:
+    """The secrets docker-compose.yaml's services read, drawn by its own init script: (the settings
+    of Airflow's services, a Celery worker's over them; None where a worker has none), their
+    paths moved under ``home``."""
+    folders = {"/opt/airflow/secrets": home / "secrets", "/opt/airflow/worker-secrets": home / "worker-secrets"}
     subprocess.run(["bash", str(ROOT / "deploy" / "compose-init.sh")], check=True, capture_output=True,
-                   env=dict(os.environ, SECRETS_DIR=str(folder), DATA_DIR=str(home / "data"),
-                            KEYS_DIR=str(home / "keys"), WORKER_UID=str(os.getuid()),
+                   env=dict(os.environ, SECRETS_DIR=str(folders["/opt/airflow/secrets"]),
+                            WORKER_SECRETS_DIR=str(folders["/opt/airflow/worker-secrets"]),
+                            DATA_DIR=str(home / "data"), KEYS_DIR=str(home / "keys"), WORKER_UID=str(os.getuid()),
                             PYTHON=sys.executable, PATH=f"{BIN}:{os.environ['PATH']}"))
-    compose = yaml.safe_load((ROOT / "docker-compose.yaml").read_text())
-    common = compose["services"]["airflow-apiserver"]["environment"]
-    return {k: v.replace("/opt/airflow/secrets", str(folder)) for k, v in common.items() if k.endswith("_CMD")}
+    services = yaml.safe_load((ROOT / "docker-compose.yaml").read_text())["services"]
+
+    def secrets_of(service: str) -> dict[str, str]:
+        settings = {k: v for k, v in services[service]["environment"].items() if k.endswith(SECRET_SETTINGS)}
+        for container, here in folders.items():
+            settings = {k: v.replace(container + "/", f"{here}/") for k, v in settings.items()}
+        return settings
+
+    airflow, worker = secrets_of("airflow-apiserver"), secrets_of("airflow-gpu-worker")
+    return airflow, {**{k: None for k in airflow}, **worker}
 
 
 def _cluster(home: Path, found: Services):
@@ -62,6 +74,7 @@ def _cluster(home: Path, found: Services):
     redis_db = 8 + os.getpid() % 7
     subprocess.run(["redis-cli", "-h", "127.0.0.1", "-p", str(found.redis_port), "-n", str(redis_db), "flushdb"],
                    check=True, capture_output=True)
+    airflow_secrets, worker_secrets = compose_secrets(home)
     env = airflow_env(
         home, port, PYTHONPATH=str(ROOT / "tests" / "fixtures"),
         AIRFLOW__CORE__EXECUTOR="CeleryExecutor",
@@ -72,7 +85,7 @@ def _cluster(home: Path, found: Services):
         AIRFLOW__CORE__HOSTNAME_CALLABLE="worker_name.hostname",
         AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT="20",
         REGEN_CONFIG_DIR=str(deployment(home)),
-        REGEN_QUEUE="gpu", **compose_secrets(home))
+        REGEN_QUEUE="gpu", **airflow_secrets)
     (home / "homes" / "init").mkdir(parents=True)
     migrate = subprocess.run([str(BIN / "airflow"), "db", "migrate"], capture_output=True, text=True,
                              env={**env, "AIRFLOW_HOME": str(home / "homes" / "init")})
@@ -85,7 +98,7 @@ def _cluster(home: Path, found: Services):
     cluster.start("dag-processor", "dag-processor")
     def start_worker(worker: str, queue: str) -> None:
         cluster.start(worker, "celery", "worker", "--queues", f"gpu,{queue}", "--concurrency", "2",
-                      "--celery-hostname", f"{worker}@%h", REGEN_WORKER_NAME=worker)
+                      "--celery-hostname", f"{worker}@%h", REGEN_WORKER_NAME=worker, **worker_secrets)
 
     for worker, queue in (("worker-a", "node-a"), ("worker-b", "node-b")):
         start_worker(worker, queue)

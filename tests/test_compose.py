@@ -262,20 +262,34 @@ def test_a_second_config_folder_adds_its_dags_and_a_repeated_dag_is_a_problem(mo
 SECRETS = "/opt/airflow/secrets"
 
 
-def test_every_airflow_service_shares_one_config_and_reads_the_secrets_init_draws():
+WORKERS = [name for name in SERVICES if name.endswith("worker")]
+SECRET_SETTINGS = ("AIRFLOW__API_AUTH__JWT_SECRET_CMD", "AIRFLOW__API__SECRET_KEY_CMD", "AIRFLOW__CORE__FERNET_KEY_CMD",
+                   "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE")
+
+
+def test_airflows_services_share_one_config_and_the_secrets_init_draws_and_workers_get_one_key():
     """The official file's JWT failure ("Invalid auth token: Signature verification failed" on every
-    Celery task) comes from each container drawing its own secret: here every Airflow service has the
-    same AIRFLOW__ settings, and the secrets are files of one volume they all mount, drawn once."""
+    Celery task) comes from each container drawing its own secret: here Airflow's services have the
+    same AIRFLOW__ settings and read the secrets from files of one volume, drawn once. A Celery
+    worker (the GPU node's too) has the same settings without them but the API's key (its log
+    server's), from a volume of its own; tests/test_celery.py runs its workers so."""
     common = {k: v for k, v in SERVICES["airflow-apiserver"]["environment"].items() if k.startswith("AIRFLOW__")}
-    for key in ("AIRFLOW__API_AUTH__JWT_SECRET_CMD", "AIRFLOW__API__SECRET_KEY_CMD", "AIRFLOW__CORE__FERNET_KEY_CMD"):
-        assert common[key].startswith(f"cat {SECRETS}/"), key
-    assert common["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"].startswith(f"{SECRETS}/")
+    for key in SECRET_SETTINGS:
+        assert common[key].startswith(f"cat {SECRETS}/") or common[key].startswith(f"{SECRETS}/"), key
     for name in AIRFLOW_SERVICES:
         service = SERVICES[name]
-        assert {k: v for k, v in service["environment"].items() if k.startswith("AIRFLOW__")} == common, name
-        assert f"airflow-secrets:{SECRETS}" in service["volumes"], name
+        env = {k: v for k, v in service["environment"].items() if k.startswith("AIRFLOW__")}
+        if name in WORKERS:
+            assert env == {**{k: v for k, v in common.items() if k not in SECRET_SETTINGS},
+                           "AIRFLOW__API__SECRET_KEY_CMD": "cat /opt/airflow/worker-secrets/api_secret_key"}, name
+            assert [v for v in service["volumes"] if "secrets" in v] == ["worker-secrets:/opt/airflow/worker-secrets"]
+        else:
+            assert env == common, name
+            assert f"airflow-secrets:{SECRETS}" in service["volumes"], name
         assert not any(k.startswith("AIRFLOW__") and not k.endswith("_CMD") and "SECRET" in k
                        for k in service["environment"]), name  # no secret in the file itself
+    for name in WORKERS + ["airflow-gpu-worker-b"]:  # the second node's too
+        assert "airflow-secrets:/opt/airflow/secrets" not in TWO_NODES[name]["volumes"], name
     init = "\n".join(SERVICES["airflow-init"]["command"])
     assert init.index("bash /opt/airflow/deploy/compose-init.sh") < init.index("airflow db migrate")
     assert SERVICES["airflow-init"]["user"] == "0:0"  # it gives the volumes to the services' uid
@@ -291,8 +305,10 @@ def test_compose_init_draws_the_secrets_once_gives_the_volumes_to_the_workers_an
     from cryptography.fernet import Fernet
 
     secrets, data, keys = tmp_path / "secrets", tmp_path / "data", tmp_path / "keys"
+    workers = tmp_path / "worker-secrets"
     uid = int(SERVICES["airflow-worker"]["user"].split(":")[0])
-    env = dict(os.environ, SECRETS_DIR=str(secrets), DATA_DIR=str(data), KEYS_DIR=str(keys), WORKER_UID=str(uid),
+    env = dict(os.environ, SECRETS_DIR=str(secrets), WORKER_SECRETS_DIR=str(workers), DATA_DIR=str(data),
+               KEYS_DIR=str(keys), WORKER_UID=str(uid),
                PYTHON=sys.executable, PATH=f"{BIN}:{os.environ['PATH']}")
     env.pop("_AIRFLOW_WWW_USER_PASSWORD", None)
     script = ROOT / "deploy" / "compose-init.sh"
@@ -305,16 +321,19 @@ def test_compose_init_draws_the_secrets_once_gives_the_volumes_to_the_workers_an
     # the login's password drawn (no default to guess) and printed once, in init's log
     password = json.loads(drawn["passwords.json"])["airflow"]
     assert len(password) >= 20 and password != "airflow" and f"airflow / {password}" in first.stdout
-    for path in [secrets, *secrets.iterdir(), data, data / "demo-model", data / "demo-model" / "config.json", keys]:
+    assert {p.name: p.read_text() for p in workers.iterdir()} == {"api_secret_key": drawn["api_secret_key"]}
+    for path in [secrets, *secrets.iterdir(), workers, *workers.iterdir(), data, data / "demo-model",
+                 data / "demo-model" / "config.json", keys]:
         assert path.stat().st_uid == uid, path
-    assert all(p.stat().st_mode & 0o077 == 0 for p in [secrets, *secrets.iterdir(), keys])
+    assert all(p.stat().st_mode & 0o077 == 0 for p in [secrets, *secrets.iterdir(), workers, *workers.iterdir(), keys])
     again = subprocess.run(["bash", str(script)], env={**env, "_AIRFLOW_WWW_USER_PASSWORD": "other"},
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert {p.name: p.read_text() for p in secrets.iterdir()} == drawn  # a second `up` keeps them
     assert "built the demo model" not in again.stdout and password not in again.stdout
     given = tmp_path / "given"
-    chosen = subprocess.run(["bash", str(script)], env={**env, "SECRETS_DIR": str(given), "_AIRFLOW_WWW_USER_PASSWORD": "mine"},
+    chosen = subprocess.run(["bash", str(script)], env={**env, "SECRETS_DIR": str(given), "_AIRFLOW_WWW_USER_PASSWORD": "mine",
+                                                         "WORKER_SECRETS_DIR": str(tmp_path / "given-workers")},
                             capture_output=True, text=True, timeout=300)
     assert chosen.returncode == 0 and json.loads((given / "passwords.json").read_text()) == {"airflow": "mine"}
     assert "mine" not in chosen.stdout  # a password the operator chose is never printed

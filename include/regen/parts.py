@@ -42,7 +42,7 @@ from regen.layout import RunLayout
 from regen.machine import node_name
 from regen.objectstore import META, ObjectStore, transient_errors
 from regen.rows import ROW_SCHEMA
-from regen.store import ShardStore
+from regen.store import Journal, ShardStore
 
 log = logging.getLogger("regen.parts")
 READ_THREADS = 8  # parts read at once
@@ -245,6 +245,7 @@ class BucketShardStore(ShardStore):
         self._oldest: float | None = None
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"seal-{self.name}")
         self._sealing: list[Future] = []
+        self._gathered: Path | None = None  # while publishing: the store's rows, read once (_gather)
 
     def _store_io(self, what: str, operation: Callable[[], T]) -> T:
         """``operation`` (idempotent: a create-only write that finds its own bytes succeeds) tried
@@ -289,6 +290,32 @@ class BucketShardStore(ShardStore):
     def _sealed_rows(self, columns: list[str] | None = None) -> Iterator[dict]:
         for table in self.parts.committed_tables(columns):
             yield from table.to_pylist()
+
+    def _rows(self, columns: list[str] | None = None) -> Iterator[dict]:
+        if self._gathered is None:
+            yield from super()._rows(columns)
+            return
+        for batch in pq.ParquetFile(self._gathered).iter_batches(batch_size=1000, columns=columns):
+            yield from batch.to_pylist()
+        yield from Journal.rows(self.journal_path)
+
+    def _gather(self, path: Path) -> None:
+        """The store's rows of this shard (its published file, then the sealed parts) into one
+        local file, in their order: a publish reads the bucket once, not once per pass."""
+        with pq.ParquetWriter(path, ROW_SCHEMA, compression="zstd") as writer:
+            def write(table: pa.Table) -> None:
+                if table.schema != ROW_SCHEMA:  # an older writer's columns: as the row schema says
+                    table = pa.Table.from_pylist(table.to_pylist(), schema=ROW_SCHEMA)
+                writer.write_table(table)
+
+            store = self.parts.store
+            if store.exists(self.parts.data_key):
+                fs, root = store.arrow()
+                with fs.open_input_file(f"{root}/{self.parts.data_key}") as fh:
+                    for batch in pq.ParquetFile(fh).iter_batches(batch_size=1000):
+                        write(pa.Table.from_batches([batch]))
+            for table in self.parts.committed_tables():
+                write(table)
 
     def settled_and_failed(self, hashes: dict[str, str], settings_hash: str) -> tuple[set[str], set[str], set[str]]:
         def settle():
@@ -358,9 +385,16 @@ class BucketShardStore(ShardStore):
         """Seal what the journal holds, then the shard's file as on a local disk (the last row of
         this run per id), streamed to the work folder and uploaded over the published one."""
         self.seal()
-        with scratch_file(self.journal_path.parent, f"{self.name}.parquet") as tmp:
+        folder = self.journal_path.parent
+        with scratch_file(folder, f"{self.name}.stored.parquet") as stored, \
+                scratch_file(folder, f"{self.name}.parquet") as tmp:
             def publish() -> int:
-                count = self._write(tmp, self._chosen(hashes, settings_hash), batch_rows)
+                self._gather(stored)
+                self._gathered = stored
+                try:
+                    count = self._write(tmp, self._chosen(hashes, settings_hash), batch_rows)
+                finally:
+                    self._gathered = None
                 check_held(self.layout)
                 self.parts.install(tmp, hashes, count)
                 return count

@@ -34,12 +34,14 @@ class AirflowProcesses:
         self.home, self.env, self.separate_homes = home, env, separate_homes
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, *argv: str, **extra_env: str) -> None:
+    def start(self, name: str, *argv: str, **extra_env: str | None) -> None:
+        """``extra_env``: settings over the deployment's; None removes one (a container without it)."""
         log = open(self.home / f"{name}.log", "wb")
         if self.separate_homes:
             (self.home / "homes" / name).mkdir(parents=True, exist_ok=True)
             extra_env = {"AIRFLOW_HOME": str(self.home / "homes" / name), **extra_env}
-        self.procs[name] = subprocess.Popen([str(BIN / "airflow"), *argv], env={**self.env, **extra_env},
+        env = {k: v for k, v in {**self.env, **extra_env}.items() if v is not None}
+        self.procs[name] = subprocess.Popen([str(BIN / "airflow"), *argv], env=env,
                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_api(self, base: str, timeout: float = 180) -> None:

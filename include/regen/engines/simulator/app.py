@@ -91,6 +91,9 @@ class SimServer:
             "sim_peak_requests_in_flight": self.state.peak,
             "sim_requests_in_flight": self.state.in_flight,
             "sim_busy_slot_seconds": round(self.state.busy_slot_seconds(), 3),
+            "sim_first_request_at": self.state.first_request_at,
+            "sim_last_reply_at": self.state.last_reply_at,
+            "sim_longest_completion_tokens": self.state.longest_completion,
         }))
 
     async def metrics(self, request: Request):
@@ -116,6 +119,8 @@ class SimServer:
             return JSONResponse({"error": {"message": "server is warming up"}}, status_code=503)
         s, state = self.settings, self.state
         state.requests_total += 1  # every request received, rejected ones included
+        if state.first_request_at is None:
+            state.first_request_at = time.time()
         try:
             body = await request.json()
             messages = body["messages"]
@@ -170,6 +175,7 @@ class SimServer:
         state.prompt_tokens_total += prompt_tokens
         state.cached_tokens_total += cached
         state.generation_tokens_total += completion
+        state.longest_completion = max(state.longest_completion, completion)
         state.recent.append((time.monotonic(), completion))
         reply = ChatReply(content=" ".join(answer_tokens),  # "" when none, as SGLang 0.5.23 answers
                           reasoning_content=" ".join(think_tokens) if reasoning else None,
@@ -193,6 +199,7 @@ class SimServer:
                                                      body.get("tools"))
             reply.prompt_token_ids = prompt_ids if body.get("return_prompt_token_ids") else None
             reply.completion_token_ids = output_ids if body.get("return_token_ids") else None
+        state.last_reply_at = time.time()
         return JSONResponse(chat_response(s.served_name, reply))
 
 

@@ -27,6 +27,10 @@ class SimState:
     slot_seconds: float = 0.0  # the integral of running requests over time, up to slot_clock
     slot_clock: float = field(default_factory=time.monotonic)
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))
+    # Wall-clock seconds, for a bench's time to the first request and after the last reply.
+    first_request_at: float | None = None
+    last_reply_at: float | None = None
+    longest_completion: int = 0  # tokens: one request's decoding bounds a makespan from below
 
     def busy_slot_seconds(self) -> float:
         """Request-seconds of decoding so far: over (slots x time), how busy the batch was."""
