@@ -246,6 +246,7 @@ class BucketShardStore(ShardStore):
         self._sealer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"seal-{self.name}")
         self._sealing: list[Future] = []
         self._gathered: Path | None = None  # while publishing: the store's rows, read once (_gather)
+        self._file_batches = 0  # how many of its batches are the published file's
 
     def _store_io(self, what: str, operation: Callable[[], T]) -> T:
         """``operation`` (idempotent: a create-only write that finds its own bytes succeeds) tried
@@ -291,29 +292,80 @@ class BucketShardStore(ShardStore):
         for table in self.parts.committed_tables(columns):
             yield from table.to_pylist()
 
+    def _publish_order(self) -> Iterator[pa.RecordBatch | dict]:
+        """While publishing: the published file's rows, the journal's, then the sealed parts' (as
+        Arrow batches of the gathered file, the journal's as rows). A part's copy of a journal row
+        comes later and wins, as the settle reads them (a sealed id is the part's): only the rows
+        no part holds (retryable errors) are chosen from the journal."""
+        with pa.memory_map(str(self._gathered)) as source:
+            reader = pa.ipc.open_file(source)
+            for i in range(self._file_batches):
+                yield reader.get_batch(i)
+            yield from Journal.rows(self.journal_path)
+            for i in range(self._file_batches, reader.num_record_batches):
+                yield reader.get_batch(i)
+
     def _rows(self, columns: list[str] | None = None) -> Iterator[dict]:
         if self._gathered is None:
             yield from super()._rows(columns)
             return
-        for batch in pq.ParquetFile(self._gathered).iter_batches(batch_size=1000, columns=columns):
-            yield from batch.to_pylist()
-        yield from Journal.rows(self.journal_path)
+        for item in self._publish_order():
+            if isinstance(item, dict):
+                yield item
+            else:
+                yield from (item.select(columns) if columns else item).to_pylist()
+
+    def _write(self, path: Path, keep: set[int], batch_rows: int) -> int:
+        """While publishing, the rows at ``keep`` of :meth:`_publish_order`: the gathered batches
+        filtered as Arrow (no row becomes a Python object), the journal's few as rows."""
+        if self._gathered is None:
+            return super()._write(path, keep, batch_rows)
+        count = index = 0
+        rows: list[dict] = []
+        with pq.ParquetWriter(path, ROW_SCHEMA, compression="zstd") as writer:
+            def write_rows() -> None:
+                writer.write_table(pa.Table.from_pylist(rows, schema=ROW_SCHEMA))
+                rows.clear()
+
+            for item in self._publish_order():
+                if isinstance(item, dict):
+                    if index in keep:
+                        item.pop("retryable", None)
+                        rows.append(item)
+                        count += 1
+                        if len(rows) >= batch_rows:
+                            write_rows()
+                    index += 1
+                    continue
+                kept = item.filter(pa.array([index + j in keep for j in range(item.num_rows)], pa.bool_()))
+                index += item.num_rows
+                if kept.num_rows:
+                    writer.write_batch(kept)
+                    count += kept.num_rows
+            if rows:
+                write_rows()
+        return count
 
     def _gather(self, path: Path) -> None:
         """The store's rows of this shard (its published file, then the sealed parts) into one
-        local file, in their order: a publish reads the bucket once, not once per pass."""
-        with pq.ParquetWriter(path, ROW_SCHEMA, compression="zstd") as writer:
-            def write(table: pa.Table) -> None:
+        local file, in their order: a publish reads the bucket once, not once per pass (Arrow's
+        uncompressed file format, mapped: its two passes cost no decompression)."""
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, ROW_SCHEMA) as writer:
+            def write(table: pa.Table) -> int:
                 if table.schema != ROW_SCHEMA:  # an older writer's columns: as the row schema says
                     table = pa.Table.from_pylist(table.to_pylist(), schema=ROW_SCHEMA)
-                writer.write_table(table)
+                batches = table.to_batches()
+                for batch in batches:
+                    writer.write_batch(batch)
+                return len(batches)
 
+            self._file_batches = 0
             store = self.parts.store
             if store.exists(self.parts.data_key):
                 fs, root = store.arrow()
                 with fs.open_input_file(f"{root}/{self.parts.data_key}") as fh:
                     for batch in pq.ParquetFile(fh).iter_batches(batch_size=1000):
-                        write(pa.Table.from_batches([batch]))
+                        self._file_batches += write(pa.Table.from_batches([batch]))
             for table in self.parts.committed_tables():
                 write(table)
 
@@ -386,7 +438,7 @@ class BucketShardStore(ShardStore):
         this run per id), streamed to the work folder and uploaded over the published one."""
         self.seal()
         folder = self.journal_path.parent
-        with scratch_file(folder, f"{self.name}.stored.parquet") as stored, \
+        with scratch_file(folder, f"{self.name}.stored.arrow") as stored, \
                 scratch_file(folder, f"{self.name}.parquet") as tmp:
             def publish() -> int:
                 self._gather(stored)
