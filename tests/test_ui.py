@@ -290,6 +290,36 @@ def test_the_run_pages_data_reads_no_file_through_a_symlink_and_within_bounds(tm
     assert time.monotonic() - started < 5
 
 
+def test_a_folder_swapped_for_a_symlink_while_it_is_read_never_reads_through_it(tmp_path, monkeypatch):
+    """The output's audit/ folder replaced by a link to another folder just as the reader opens
+    (a check of each folder, then an open of the path, read the link's target): the report
+    read is refused or its own, never the other folder's file."""
+    import os
+
+    from regen.files import read_in_folder
+
+    root, other = tmp_path / "out", tmp_path / "other"
+    (root / "audit").mkdir(parents=True)
+    (root / "audit" / "report.html").write_text("the run's report")
+    other.mkdir()
+    (other / "report.html").write_text("another folder's secret")
+    real_open = os.open
+
+    def swap_then_open(*args, **kwargs):
+        monkeypatch.setattr(os, "open", real_open)
+        (root / "audit").rename(tmp_path / "moved")
+        (root / "audit").symlink_to(other)
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(os, "open", swap_then_open)
+    try:
+        read = read_in_folder(root, root / "audit" / "report.html", 1024)
+    except PermissionError as refused:
+        assert "symlink" in str(refused)
+    else:
+        assert read == b"the run's report"
+
+
 def test_a_multi_day_runs_history_spans_the_whole_run_within_a_bounded_file(tmp_path, monkeypatch):
     """A day of points every 5 s (17,280; a multi-day run thins the same way): the file stays
     within HISTORY_POINTS lines, the chart starts at the run's start and ends now, the last

@@ -10,6 +10,7 @@ name, and never reuses an existing temporary file.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -153,21 +154,34 @@ def read_in_folder(root: Path, path: Path, max_bytes: int, tail: bool = False) -
     it nor a folder between ``root`` and it is a symlink, and it is a regular file: the output
     is a folder anyone with the dataset's share may write, and a link there must not make a
     reader (the API server, for a viewer) open another file, nor a device grow the read for ever.
-    PermissionError names what was refused; FileNotFoundError as usual."""
+    Each folder is opened from the one before it (openat, no symlink followed), so nothing can
+    be swapped in between a check and the open. PermissionError names what was refused;
+    FileNotFoundError as usual."""
     import stat
 
     root = os.path.abspath(root)
-    part = root
-    for name in os.path.relpath(os.path.abspath(path), root).split(os.sep)[:-1]:
-        part = os.path.join(part, name)
-        if os.path.islink(part):
-            raise PermissionError(f"{part} is a symlink: not read")
+    names = os.path.relpath(os.path.abspath(path), root).split(os.sep)
+    if ".." in names:
+        raise PermissionError(f"{path} is outside {root}: not read")
+
+    def opened(name: str, flags: int, at: int, shown: str) -> int:
+        try:
+            return os.open(name, flags | os.O_NOFOLLOW, dir_fd=at)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and os.path.islink(shown)):
+                raise PermissionError(f"{shown} is a symlink: not read") from None
+            raise
+
+    folder, part = os.open(root, os.O_RDONLY | os.O_DIRECTORY), root
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno == 40:  # ELOOP: the file itself is a symlink
-            raise PermissionError(f"{path} is a symlink: not read") from None
-        raise
+        for name in names[:-1]:
+            part = os.path.join(part, name)
+            inner = opened(name, os.O_RDONLY | os.O_DIRECTORY, folder, part)
+            os.close(folder)
+            folder = inner
+        fd = opened(names[-1], os.O_RDONLY | os.O_NONBLOCK, folder, str(path))
+    finally:
+        os.close(folder)
     with os.fdopen(fd, "rb") as fh:
         st = os.fstat(fh.fileno())
         if not stat.S_ISREG(st.st_mode):
