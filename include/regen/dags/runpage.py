@@ -227,8 +227,12 @@ function chart(history, progress, average) {
   for (const h of points) { const [x, y] = xy(h).split(","); svg.append(el("svg:circle", {cx: x, cy: y, r: 2.5, fill: "#4472c4"})); }
 }
 async function refresh() {
-  const r = await fetch(location.pathname.replace(/\/$/, "") + "/data", {credentials: "same-origin"});
-  if (!r.ok) { document.getElementById("summary").textContent = "error " + r.status; return; }
+  const r = await fetch(location.pathname.replace(/\/$/, "") + "/data", {credentials: "same-origin"}).catch(() => null);
+  if (!r || !r.ok) {  // a node slow to answer, a restart of the API server: asked again, never left stuck
+    document.getElementById("summary").textContent = (r ? "error " + r.status : "no answer") + ", asking again";
+    setTimeout(refresh, 5000);
+    return;
+  }
   const d = await r.json(), p = d.progress || {}, canary = p.canary || {};
   const ended = ["failed", "success"].includes(d.run_state);
   const shards = Object.values(p.shards || {}).sort((a, b) => a.shard - b.shard);
