@@ -290,3 +290,40 @@ def test_a_step_is_asked_with_the_reasoning_the_models_template_renders(sim_serv
     for k, event in enumerate(events):
         kept = [m.get("reasoning_content") for m in event["messages"] if m["role"] == "assistant"]
         assert kept == (reasoning[:k] if sent_any else [None] * k), (k, event["messages"])
+
+
+def test_a_run_against_endpoints_sends_history_reasoning_as_the_served_models_template_says(sim_servers, tmp_path,
+                                                                                           tiny_model):
+    """`regen generate --endpoints` with no model named: the run's model_path is the demo model,
+    whose template renders an agent loop's earlier reasoning; the servers serve a model whose
+    template renders none. The decision follows the served template (/server_info's model_path):
+    no step is sent an earlier step's reasoning, where the demo model's template would send it."""
+    import shutil
+
+    from regen.chat.render import history_reasoning_rendered, load_tokenizer
+    from regen.config import RunConfig
+
+    demo = RunConfig.model_fields["model_path"].default
+    assert history_reasoning_rendered(load_tokenizer(demo), True)["tool_steps"]  # the demo's says: send it
+    served = tmp_path / "served-model"
+    shutil.copytree(tiny_model, served)
+    template = served / "chat_template.jinja"
+    template.write_text(template.read_text().replace("(loop.index0 > last_user.index and reasoning)", "false"))
+    assert not history_reasoning_rendered(load_tokenizer(str(served)), True)["tool_steps"]
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"loop{i}", "tools": TOOLS,
+                                                  "messages": agentic_messages(f"Loop {i}", [["get_weather"], ["get_time"]])}
+                                                 for i in range(3)])
+    log = tmp_path / "requests.jsonl"
+    _, records = sim_servers(model_path=str(served), prompts=str(prompts), num_servers=1, tool_call_parser="qwen25",
+                             sim_follow_recorded=True,
+                             extra_server_args=["--sim-request-log", str(log)])
+    done = subprocess.run(cli("--prompts", str(prompts), "--output", str(tmp_path / "ds"), "--endpoints", records[0].url,
+                              "--api-key", records[0].api_key, "--tool-call-parser", "qwen25"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    requests = [json.loads(line)["messages"] for line in log.read_text().splitlines()]
+    steps = [m for request in requests for m in request if m["role"] == "assistant"]
+    assert len(requests) == 9 and len(steps) == 3 * (0 + 1 + 2)  # each step after the first had earlier ones
+    assert not any(m.get("reasoning_content") for m in steps)
+    rows = pd.read_parquet(tmp_path / "ds" / "data")
+    assert rows["error"].isna().all() and rows["history_reasoning"].isna().all()
