@@ -207,8 +207,10 @@ def run_canary(cfg: RunConfig, endpoints: list[tuple[str, str | None]]) -> Canar
     for row, res in zip(samples, results):
         # A conversation stopped by a turn that hit max_tokens or looped holds that turn: named by
         # its cause (with the cause's advice), not as a failed request.
+        if "earlier_turn_cut" not in res["findings"]:
+            continue
         cause = [f for f in text_findings(row, cfg.enable_thinking) if f in ("truncated", "repetition_loop")]
-        if "earlier_turn_cut" in res["findings"] and cause:
+        if cause:
             res["findings"] = [f for f in res["findings"] if f != "error"] + cause
 
     def check(finding: str, message: str, limit: float = MAX_BAD_FRACTION, plausible: float | None = None) -> None:
