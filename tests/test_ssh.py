@@ -498,8 +498,8 @@ def test_a_retry_follows_the_shard_its_killed_attempt_left_running_on_the_node(f
 @pytest.mark.slow
 def test_a_node_gone_silent_fails_the_attempt_at_its_deadline_and_its_job_goes_on_there(
         flaky_node, monkeypatch):
-    """The link to the node goes silent for good (new connections too) as the shard starts: the
-    attempt fails at its deadline (plus the grace the node gets to stop by itself), naming the
+    """The link to the node goes silent for good (new connections too) as the shard starts, before
+    the follower's command has its answer (paramiko would wait an hour for it): the attempt fails at its deadline (plus the grace the node gets to stop by itself), naming the
     node. The node's own job is healthy: its rows keep coming in, so its deadline moves with its
     pace and it finishes the shard there, journal and publish included; once the node answers
     again the retry sends nothing. A deadline the node's log moves (while the link lives) moves
@@ -525,12 +525,16 @@ def test_a_node_gone_silent_fails_the_attempt_at_its_deadline_and_its_job_goes_o
         except RemoteError as exc:
             outcome["error"] = exc
 
+    def silent_from_here(*args):  # the job is launched; the link dies as the follower asks for its log
+        relay.hang_new = True
+        relay.hang()
+        return follow_script(*args)
+
+    follow_script = remote.follow_script
+    monkeypatch.setattr(remote, "follow_script", silent_from_here)
     worker = threading.Thread(target=attempt)
     started = time.monotonic()
     worker.start()
-    wait_until(lambda: processes_with_args("run-stage", "generate") != [], 60, "the shard started on the node")
-    relay.hang_new = True
-    relay.hang()
     worker.join(timeout=120)
     elapsed = time.monotonic() - started
     assert "error" in outcome, outcome
@@ -540,6 +544,7 @@ def test_a_node_gone_silent_fails_the_attempt_at_its_deadline_and_its_job_goes_o
     assert output_ids(cfg) == sorted(f"c{i}" for i in range(24))  # past its first deadline
 
     log.unlink()
+    monkeypatch.setattr(remote, "follow_script", follow_script)
     relay.hang_new = False
     run("generate", cfg, shards=[0])  # the retry: a new connection, which the link carries again
     assert not log.exists() or requested_turns(log) == {}

@@ -80,6 +80,24 @@ def stage_argv(cfg: RunConfig, name: str, kwargs: dict, marker: str, config_file
             "--kwargs-json", json.dumps(kwargs), "--result-marker", marker]
 
 
+def start_command(transport, command: str, within_s: float):
+    """A channel running ``command``, or LinkDropped when the node does not answer within
+    ``within_s``: paramiko waits for an exec's answer for good (and an hour for the channel),
+    so a link that goes silent between two commands would hold the task past every deadline."""
+    import paramiko
+
+    watchdog = threading.Timer(within_s, transport.close)  # the waits below then raise
+    watchdog.start()
+    try:
+        channel = transport.open_session(timeout=within_s)
+        channel.exec_command(command)
+        return channel
+    except (paramiko.SSHException, OSError, EOFError) as exc:
+        raise LinkDropped(f"the node did not start a command within {within_s:.0f} s ({exc or type(exc).__name__})") from None
+    finally:
+        watchdog.cancel()
+
+
 def upload_private(client, content: str) -> str:
     """``content`` in a new owner-only file under the SSH user's home on the node; its path.
     Sent on the stdin of a command without a terminal (nothing echoed, nothing on a command
@@ -87,10 +105,9 @@ def upload_private(client, content: str) -> str:
     folder = "/".join(INPUT_DIR)
     path = f"{folder}/{secrets.token_hex(16)}.json"
     command = f"umask 077 && mkdir -p {folder} && chmod 700 {folder} && set -C && cat > {path}"
-    channel = client.get_transport().open_session()
+    channel = start_command(client.get_transport(), command, UPLOAD_DEADLINE_S)  # only names regen drew
     try:
         channel.settimeout(UPLOAD_DEADLINE_S)
-        channel.exec_command(command)  # only names regen drew: no value of the run's
         channel.sendall(content.encode())
         channel.shutdown_write()
         if not channel.status_event.wait(UPLOAD_DEADLINE_S):
@@ -280,8 +297,8 @@ class Follower:
         """Follow until the job ends (its exit status, or "lost"), the link drops (LinkDropped) or
         ``ends`` passes (TimeoutError)."""
         marker = f"regen-end-{secrets.token_hex(8)}"
-        channel = client.get_transport().open_session()
-        channel.exec_command(follow_script(self.folder, self.offset, marker))
+        within = LINK_SILENT_S if self.ends is None else max(0.1, min(self.ends - time.monotonic(), LINK_SILENT_S))
+        channel = start_command(client.get_transport(), follow_script(self.folder, self.offset, marker), within)
         head, first = b"", True
         while True:
             ends = self.ends
@@ -332,12 +349,13 @@ def run_detached(conn_id: str, job: str, argv: list[str], upload: str, result_ma
     try:
         path = upload_private(client, upload)
         argv = [path if arg == "{upload}" else arg for arg in argv]
-        _, stdout, stderr = client.exec_command(launch_script(folder, argv, path, result_marker),
-                                                timeout=UPLOAD_DEADLINE_S)
-        how = stdout.read().decode().strip()
-        if stdout.channel.recv_exit_status() != 0 or how not in ("launched", "attached"):
+        channel = start_command(client.get_transport(), launch_script(folder, argv, path, result_marker),
+                                UPLOAD_DEADLINE_S)
+        channel.settimeout(UPLOAD_DEADLINE_S)
+        how = channel.makefile("rb").read().decode().strip()
+        if channel.recv_exit_status() != 0 or how not in ("launched", "attached"):
             raise RemoteError(f"could not start `{shlex.join(argv[:4])}` on {conn_id}: "
-                              f"{stderr.read().decode('utf-8', 'replace').strip() or how}")
+                              f"{channel.makefile_stderr('rb').read().decode('utf-8', 'replace').strip() or how}")
         launched = True
         if how == "attached":
             log.info("[%s] an earlier attempt's job %s still runs there: following it", conn_id, folder)
@@ -352,6 +370,9 @@ def run_detached(conn_id: str, job: str, argv: list[str], upload: str, result_ma
             log.info("[%s] re-attached at byte %d of the job's log", conn_id, follower.offset)
         with contextlib.suppress(Exception):
             client.exec_command(f"rm -rf {shlex.quote(folder)}", timeout=10)[1].channel.recv_exit_status()
+    except LinkDropped as exc:  # on the way to the job: it may have started, and must not run on unseen
+        stop_job(conn_id, folder)
+        raise RemoteError(f"could not start `{shlex.join(argv[:4])}` on {conn_id}: {exc}") from None
     except TimeoutError:
         stop_job(conn_id, folder)
         raise RemoteError(f"`{shlex.join(argv[:4])}` on {conn_id} did not end within "
