@@ -160,6 +160,36 @@ def test_the_gpu_worker_gets_gpus_shared_memory_and_its_own_queue(services, name
     assert out.returncode == 0
 
 
+def resolved(text: str, env: dict[str, str]) -> str:
+    """Compose's ``${VAR:-default}`` (nested too) with ``env`` set and the rest at their defaults;
+    ``$$`` left to the shell as ``$``."""
+    while match := re.search(r"(?<!\$)\$\{(\w+):-([^${}]*)\}", text):
+        text = text[:match.start()] + (env.get(match[1]) or match[2]) + text[match.end():]
+    return text.replace("$$", "$")
+
+
+@pytest.mark.parametrize("services", [SERVICES, TWO_NODES], ids=["one-node", "two-nodes"])
+@pytest.mark.parametrize("concurrency", [None, "7"])
+def test_the_shard_pool_holds_what_the_gpu_workers_run_at_once(services, concurrency):
+    """A shard past the GPU workers' slots would wait in Celery's queue, where Airflow requeues a
+    task queued past task_queued_timeout (600 s) twice and then fails it: the pool that
+    airflow-init makes is their slots added up, so the rest wait "scheduled" instead."""
+    env = {"REGEN_WORKER_CONCURRENCY": concurrency} if concurrency else {}
+    queue = services["airflow-gpu-worker"]["environment"]["REGEN_QUEUE"]  # where the shards go
+    slots = sum(int(resolved(services[name]["command"], env).split("--concurrency")[1].split()[0])
+                for name in _serving(services)[queue])
+    init = services["airflow-init"]
+    script = "\n".join(init["command"]).replace("\\\n", " ")  # the shell's continued lines joined
+    line = next(line for line in script.splitlines() if "pools set" in line)
+    command = resolved(line, env).replace("airflow pools set", "printf '%s\\n'", 1)
+    init_env = {k: resolved(str(v), env) for k, v in init["environment"].items()}
+    out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", **init_env})
+    assert out.returncode == 0, out.stderr
+    name, size = out.stdout.splitlines()[:2]
+    assert name == services["airflow-gpu-worker"]["environment"]["REGEN_POOL"]
+    assert int(size) == slots, (size, slots)
+
+
 def _serving(services: dict = SERVICES) -> dict[str, list[str]]:
     """queue -> the workers that serve it."""
     serving: dict[str, list[str]] = {}
