@@ -163,10 +163,11 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
         assert page.locator("#summary img").count() == 0
 
         def open_run(run: str, selector: str):
-            """The run's page in a new tab, once ``selector`` shows (the page's data has come)."""
+            """The run's page in a new tab, once ``selector`` shows (the page's data has come: on a
+            loaded machine the API server may answer the first request late, and the page asks again)."""
             tab = context.new_page()
             tab.goto(f"{base}/regen/runs/regenerate_dataset/{run}")
-            tab.wait_for_selector(selector, timeout=30000)
+            tab.wait_for_selector(selector, timeout=90000)
             return tab
 
         # What went wrong, first on the page: the seed's disaster caught by the canary, then
