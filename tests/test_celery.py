@@ -44,6 +44,7 @@ def cluster(tmp_path_factory):
 
 
 SECRET_SETTINGS = ("_CMD", "PASSWORDS_FILE")
+WORKERS = {"worker-a": "node-a", "worker-b": "node-b"}  # each with its node's queue
 WORKER_SLOTS = 2  # each worker's Celery concurrency
 
 
@@ -97,7 +98,7 @@ def _cluster(home: Path, found: Services):
     migrate = subprocess.run([str(BIN / "airflow"), "db", "migrate"], capture_output=True, text=True,
                              env={**env, "AIRFLOW_HOME": str(home / "homes" / "init")})
     assert migrate.returncode == 0, migrate.stderr[-3000:] + migrate.stdout[-2000:]
-    pool = subprocess.run([str(BIN / "airflow"), "pools", "set", "regen_shards", str(2 * WORKER_SLOTS), "shards"],
+    pool = subprocess.run([str(BIN / "airflow"), "pools", "set", "regen_shards", str(len(WORKERS) * WORKER_SLOTS), "shards"],
                           capture_output=True, text=True, env={**env, "AIRFLOW_HOME": str(home / "homes" / "init")})
     assert pool.returncode == 0, pool.stderr[-3000:]
     # Each component in a home of its own, as containers are: a secret drawn per home would fail
@@ -110,7 +111,7 @@ def _cluster(home: Path, found: Services):
         cluster.start(worker, "celery", "worker", "--queues", f"gpu,{queue}", "--concurrency", str(WORKER_SLOTS),
                       "--celery-hostname", f"{worker}@%h", REGEN_WORKER_NAME=worker, **worker_secrets)
 
-    for worker, queue in (("worker-a", "node-a"), ("worker-b", "node-b")):
+    for worker, queue in WORKERS.items():
         start_worker(worker, queue)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -63,7 +63,7 @@ def volumes(service: dict) -> list[tuple[str, str]]:
     """(source, target) of each volume, ``${VAR:-default}`` read as its default."""
     out = []
     for volume in service.get("volumes", []):
-        volume = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", volume)
+        volume = resolved(volume, {})
         source, target = volume.split(":")[:2]
         out.append((source, target))
     return out
