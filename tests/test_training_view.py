@@ -56,16 +56,37 @@ def make_rows(thinking: bool, count: int = 60) -> list[dict]:
     return rows
 
 
-def oracle(tokenizer_dir, export, template: str, lengths: list[int], last_turn_only: bool = False) -> dict[str, list[int]]:
-    return run_oracle("counts", tokenizer_dir, export, template, lengths, last_turn_only)
+class SpecForgeOracle:
+    """SpecForge's parser in one process of the SGLang venv, asked job after job: its start
+    (torch, transformers) is paid once per xdist worker, not once per case."""
+
+    def __init__(self, log):
+        self.log = log
+        self.process = subprocess.Popen([str(SGLANG_PYTHON), str(ORACLE), "serve"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+
+    def ask(self, mode: str, tokenizer_dir=None, export=None, template: str = "", lengths=(),
+            last_turn_only: bool = False) -> dict:
+        job = ["registry"] if mode == "registry" else [
+            mode, str(tokenizer_dir), str(export), template, [int(n) for n in lengths], last_turn_only]
+        self.process.stdin.write(json.dumps(job) + "\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline()
+        assert answer, f"SpecForge's oracle ended: {self.log.read_text()[-3000:]}"
+        result = json.loads(answer)
+        assert "error" not in result, result["error"]
+        return result
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
 
 
-def run_oracle(mode: str, tokenizer_dir, export, template: str, lengths: list[int], last_turn_only: bool = False) -> dict:
-    out = subprocess.run([str(SGLANG_PYTHON), str(ORACLE), mode, str(tokenizer_dir), str(export), template,
-                          *map(str, lengths), *(["--last-turn-only"] if last_turn_only else [])],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+@pytest.fixture(scope="session")
+def specforge(tmp_path_factory):
+    oracle = SpecForgeOracle(tmp_path_factory.mktemp("specforge") / "oracle.log")
+    yield oracle
+    oracle.close()
 
 
 def make_agentic_rows(thinking: bool, count: int = 30) -> list[dict]:
@@ -112,7 +133,7 @@ def make_agentic_rows(thinking: bool, count: int = 30) -> list[dict]:
     return rows
 
 
-def assert_loss_tokens_are_specforges(tokenizer_dir, tmp_path, rows, template, thinking, cut_at, layout):
+def assert_loss_tokens_are_specforges(specforge, tokenizer_dir, tmp_path, rows, template, thinking, cut_at, layout):
     """Per sample as exported (a conversation, or an event ``ID#turnK`` trained on its last turn
     only, as ``train_only_last_turn`` does), regen's loss tokens are SpecForge's, uncut and cut."""
     data = tmp_path / "out" / "data"
@@ -129,7 +150,7 @@ def assert_loss_tokens_are_specforges(tokenizer_dir, tmp_path, rows, template, t
         samples = pq.read_table(tmp_path / f"audit-{length}" / "samples.parquet").to_pylist()
         audited[length] = {s["id"]: s for s in samples}
         assert report.summary.audited == written
-    expected = oracle(tokenizer_dir, export, template, [UNCUT, cut_at], last_turn_only=layout == "events")
+    expected = specforge.ask("counts", tokenizer_dir, export, template, [UNCUT, cut_at], layout == "events")
     assert set(expected) == set(audited[0])  # the audit judged exactly the rows the export wrote
 
     uncut = {i: audited[0][i]["loss_tokens"] for i in expected}
@@ -147,23 +168,24 @@ def assert_loss_tokens_are_specforges(tokenizer_dir, tmp_path, rows, template, t
 @pytest.mark.parametrize("template, thinking, cut_at, layout", [
     ("qwen3-thinking", True, 256, "conversation"), ("qwen3-thinking", True, 256, "events"),
     ("qwen3.5", True, 256, "events"), ("qwen3-instruct", False, 96, "conversation")])
-def test_loss_tokens_equal_specforges_parser_uncut_and_cut(qwen3_tokenizer_dir, tmp_path, template, thinking,
-                                                           cut_at, layout):
-    assert_loss_tokens_are_specforges(qwen3_tokenizer_dir, tmp_path, make_rows(thinking), template, thinking,
-                                      cut_at, layout)
+def test_loss_tokens_equal_specforges_parser_uncut_and_cut(specforge, qwen3_tokenizer_dir, tmp_path, template,
+                                                           thinking, cut_at, layout):
+    assert_loss_tokens_are_specforges(specforge, qwen3_tokenizer_dir, tmp_path, make_rows(thinking), template,
+                                      thinking, cut_at, layout)
 
 
 @pytest.mark.parametrize("template, thinking, cut_at, layout", [
     ("qwen3-thinking", True, 384, "conversation"), ("qwen3-thinking", True, 256, "events"),
     ("qwen3-instruct", False, 256, "conversation")])
-def test_agentic_loss_tokens_equal_specforges_parser_with_tools(qwen3_tokenizer_dir, tmp_path, template, thinking,
-                                                                cut_at, layout):
+def test_agentic_loss_tokens_equal_specforges_parser_with_tools(specforge, qwen3_tokenizer_dir, tmp_path, template,
+                                                                thinking, cut_at, layout):
     """Agentic rows, rendered with their tools by the real Qwen3 template: the tool calls and
     results in the history, calls made at once, a row that ends on a call, arguments that are
     not JSON (SpecForge renders them as {}): regen's loss tokens are SpecForge's in both
     layouts, and the export is SpecForge's tool-use shape."""
     rows = make_agentic_rows(thinking)
-    export = assert_loss_tokens_are_specforges(qwen3_tokenizer_dir, tmp_path, rows, template, thinking, cut_at, layout)
+    export = assert_loss_tokens_are_specforges(specforge, qwen3_tokenizer_dir, tmp_path, rows, template, thinking,
+                                               cut_at, layout)
     records = [json.loads(line) for line in export.read_text().splitlines()]
     assert all(isinstance(r["tools"], list) and r["tools"][0]["type"] == "function" for r in records)
     calls = [m for r in records for m in r["conversations"] if m.get("tool_calls")]
@@ -174,12 +196,13 @@ def test_agentic_loss_tokens_equal_specforges_parser_with_tools(qwen3_tokenizer_
 
 @pytest.mark.parametrize("agentic, cut_at, layout", [
     (False, 256, "events"), (False, 384, "conversation"), (True, 256, "events"), (True, 384, "conversation")])
-def test_qwen36_layout_loss_tokens_equal_specforges_qwen3_5_parser(qwen36_dir, tmp_path, agentic, cut_at, layout):
+def test_qwen36_layout_loss_tokens_equal_specforges_qwen3_5_parser(specforge, qwen36_dir, tmp_path, agentic, cut_at,
+                                                                   layout):
     """The seed's model family (Qwen3.5/3.6: the generation prompt opens the think block, history
     turns render without one, calls as <function=...> with their arguments as a mapping): chat
     and agentic rows, as SpecForge 0.2.0 trains them with `qwen3.5`, in both layouts."""
     rows = make_agentic_rows(True) if agentic else make_rows(True)
-    assert_loss_tokens_are_specforges(qwen36_dir, tmp_path, rows, "qwen3.5", True, cut_at, layout)
+    assert_loss_tokens_are_specforges(specforge, qwen36_dir, tmp_path, rows, "qwen3.5", True, cut_at, layout)
 
 
 def test_qwen3_templates_drop_history_reasoning_so_the_default_layout_is_events(qwen3_tokenizer_dir, tiny_model):
@@ -198,7 +221,8 @@ def test_a_template_that_drops_reasoning_is_refused_with_thinking_on():
     assert RunConfig.from_mapping({"train_template": "qwen", "enable_thinking": False}).audit.train_template == "qwen"
 
 
-def test_the_token_export_trains_on_what_specforge_masks_from_the_generated_tokens(sim_servers, tmp_path, tiny_model):
+def test_the_token_export_trains_on_what_specforge_masks_from_the_generated_tokens(specforge, sim_servers, tmp_path,
+                                                                                   tiny_model):
     """Rows generated by the simulator with the tokens an engine returns (tiny model's tokenizer
     and template), multi-turn included: `regen export --format tokens` marks, in the engine's
     own tokens, exactly the tokens SpecForge's parser trains on for the same conversation, on
@@ -227,7 +251,7 @@ def test_the_token_export_trains_on_what_specforge_masks_from_the_generated_toke
             assert exported.checks["served prompt = the training prefix"] == 8 * 3  # every turn: own system prompt
             assert exported.checks["served prompt differs from the training prefix: system_prompt"] == 12  # singles
         export_sharegpt(cfg.output, text, train_layout=layout)
-        expected = run_oracle("masked", tiny_model, text, "qwen3-thinking", [UNCUT], last_turn_only=layout == "events")
+        expected = specforge.ask("masked", tiny_model, text, "qwen3-thinking", [UNCUT], layout == "events")
         compared = 0
         for line in tokens.read_text().splitlines():
             row = json.loads(line)
@@ -291,14 +315,12 @@ def test_an_answer_whose_text_re_encodes_to_other_tokens_is_found(qwen3_tokenize
     assert [i.split("#")[0] for i, f in findings.items() if "retokenized_differs" in f] == ["r1"]
 
 
-def test_regens_template_registry_is_specforges(tmp_path):
+def test_regens_template_registry_is_specforges(specforge):
     """Every template regen knows, field by field as SpecForge 0.2.0 registers it; every other
     name of its registry refused with a reason."""
     from regen.chat.templates import TRAIN_TEMPLATES, UNSUPPORTED
 
-    out = subprocess.run([str(SGLANG_PYTHON), str(ORACLE), "registry"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    registry = json.loads(out.stdout)
+    registry = specforge.ask("registry")
     assert set(registry) - {"custom"} == set(TRAIN_TEMPLATES) | set(UNSUPPORTED)
     for name, t in TRAIN_TEMPLATES.items():
         theirs = registry[name]
@@ -337,7 +359,7 @@ def chat_template_for(name: str) -> str:
             "{%- endif %}{{ m.content + " + q(after) + " }}{%- endif %}{%- endfor %}")
 
 
-def test_every_other_template_gives_specforges_loss_tokens(tmp_path, tiny_model):
+def test_every_other_template_gives_specforges_loss_tokens(specforge, tmp_path, tiny_model):
     """Each template of the registry (the Qwen ones are checked above on the real tokenizer),
     on a tokenizer whose chat template renders with its markers: regen's audit counts, uncut
     and cut, equal SpecForge's parser's, per sample, in each layout the template trains in."""
@@ -365,12 +387,8 @@ def test_every_other_template_gives_specforges_loss_tokens(tmp_path, tiny_model)
                               default_thinking=thinking)
                 audited[(name, layout, length)] = {
                     s["id"]: s["loss_tokens"] for s in pq.read_table(report_dir / "samples.parquet").to_pylist()}
-            jobs[f"{name}/{layout}"] = ["counts", str(tokenizer), str(export), name, [UNCUT, 128], layout == "events"]
-    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    out = subprocess.run([str(SGLANG_PYTHON), str(ORACLE), "batch", str(tmp_path / "jobs.json")],
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    expected = json.loads(out.stdout.strip().splitlines()[-1])
+            jobs[f"{name}/{layout}"] = ("counts", tokenizer, export, name, [UNCUT, 128], layout == "events")
+    expected = {job: specforge.ask(*args) for job, args in jobs.items()}
     assert len(expected) >= 20
     for job, counts in expected.items():
         name, layout = job.split("/")
@@ -451,7 +469,7 @@ def test_the_on_policy_certificate_holds_on_every_chat_sample_and_names_each_cau
 
 @pytest.mark.parametrize("model, template", [("qwen3", "qwen3-thinking"), ("qwen36", "qwen3.5")])
 def test_the_agentic_file_loads_alike_in_datasets_4_and_5_and_trains_as_specforges_parser_says(
-        sim_servers, tmp_path, tiny_model, qwen3_tokenizer_dir, qwen36_dir, model, template):
+        specforge, sim_servers, tmp_path, tiny_model, qwen3_tokenizer_dir, qwen36_dir, model, template):
     """The agentic rows of `regen export --format specforge`, their tools' schemas differing from
     row to row (a property only some rows have, a `default` of another type): loaded with
     `datasets` 4.0.0 and 5.x as SpecForge's trainer loads them, SpecForge's parser makes the same
@@ -512,12 +530,7 @@ def test_the_agentic_file_loads_alike_in_datasets_4_and_5_and_trains_as_specforg
     assert [json.loads(line)["tools"] for line in merged.read_text().splitlines()] != [
         json.loads(r["tools"]) for r in written]
     files = {"as written": agentic, **loaded}
-    jobs = {name: ["tokens", str(folder), str(path), template, [UNCUT], True] for name, path in files.items()}
-    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    out = subprocess.run([str(SGLANG_PYTHON), str(ORACLE), "batch", str(tmp_path / "jobs.json")],
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    parsed = json.loads(out.stdout.strip().splitlines()[-1])
+    parsed = {name: specforge.ask("tokens", folder, path, template, [UNCUT], True) for name, path in files.items()}
     assert len(parsed["as written"]) == 3 * 3  # three steps a row
     assert parsed["4.0.0"] == parsed["as written"] and parsed["5.2.0"] == parsed["as written"]
 
