@@ -76,6 +76,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (rank.get(group(item), len(HEAVY_GROUPS) + (item.get_closest_marker("slow") is None)),))
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """The shared standalone stops after its group's last test on this worker, not when the
+    worker's session ends: idle, it burns a fifth of a core for the rest of the suite."""
+    yield
+    if nextitem is not None and "airflow" in item.fixturenames and "airflow" not in nextitem.fixturenames:
+        for fixturedef in item._fixtureinfo.name2fixturedefs["airflow"]:
+            fixturedef.finish(item._request)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session):
     """xdist groups by a suffix of the test's id; a pytest that ignores the rename scatters a
