@@ -20,7 +20,11 @@ def airflow_env(home: Path, port: int, **extra: str) -> dict[str, str]:
                AIRFLOW__CORE__DAGS_FOLDER=str(ROOT / "dags"),
                AIRFLOW__CORE__PLUGINS_FOLDER=str(ROOT / "plugins"),
                AIRFLOW__CORE__EXECUTION_API_SERVER_URL=f"http://127.0.0.1:{port}/execution/",
-               AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL="5")
+               AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL="5",
+               # A task's calls to the API server wait 5 s by default, then retry: on a fresh CI
+               # machine's first minutes the server once answered after 35 s, every retry of the
+               # task's start was refused and the task killed (Airflow: "increase under high load").
+               AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT="90")
     env.pop("REGEN_CONFIG_DIR", None)
     return {**env, **extra}
 
