@@ -21,7 +21,7 @@ TINY = {
     "bench_fleet.py": ["--rows", "16", "--servers", "3", "--slots", "8", "--median", "40", "--max-tokens", "512",
                        "--rounds", "1"],
     "bench_nodes.py": ["--rounds", "1", "--shards", "4", "--prompts", "40"],
-    "bench_objectstore.py": ["--rows", "2000", "--part-rows", "500", "--rounds", "1"],
+    "bench_objectstore.py": ["--rows", "2000", "--part-rows", "500", "--rounds", "1", "--kills", "1"],
     "bench_preflight.py": ["--prompts", "2000"],
     "bench_resume.py": ["--prompts", "2000", "--shards", "4"],
     "bench_scale.py": ["--prompts", "600", "--id-rows", "20", "--shards", "2"],

@@ -13,6 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import boto3
 import pandas as pd
 import pytest
 from botocore.exceptions import ClientError
@@ -409,10 +410,17 @@ def test_a_publish_killed_after_its_commit_leaves_nothing_once_the_output_runs_a
     assert sorted(glob_ids()) == sorted(read_ids(prompts))
     assert not s3_server.keys(bucket, "ds/_regen/parts/") and not s3_server.keys(bucket, "ds/_regen/commits/")
     assert len(s3_server.keys(bucket, "ds/_regen/fences/")) == 2
+    # Someone else's card beside the data: the audit leaves it, its own card goes beside its report.
+    bucket_api = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    theirs = b"---\nlicense: mit\n---\n# Their dataset\n"
+    bucket_api.put_object(Bucket=bucket, Key="ds/README.md", Body=theirs)
     work = tmp_path / "work"
     assert main(["audit", "--data", f"s3://{bucket}/ds/data", "--work-dir", str(work), "--tokenizer",
                  cfg.model_path]) == 0
-    assert RunLayout.for_output(f"s3://{bucket}/ds", work_dir=work).audit.summary_json.exists()
+    report = RunLayout.for_output(f"s3://{bucket}/ds", work_dir=work).audit
+    assert report.summary_json.exists()
+    assert bucket_api.get_object(Bucket=bucket, Key="ds/README.md")["Body"].read() == theirs
+    assert "**Audit: PASS.**" in (report.summary_json.parent / "README.md").read_text()
 
 
 @pytest.mark.slow

@@ -340,11 +340,13 @@ def test_a_person_approves_or_rejects_the_run_after_the_canary(airflow, make_con
         answered = api.patch(path, json={"chosen_options": [option]})
         assert answered.status_code == 200, answered.text
 
-    # Longer than the scheduler's gaps between tasks, shorter than the person takes to answer.
+    # Longer than the scheduler's gaps between tasks (start_servers to canary took over 8 s on a
+    # loaded CI machine: the servers idled out before the canary held them), shorter than the
+    # person takes to answer.
     cfg = make_config(approve_after_canary=True, output=str(tmp_path / "approved"), sim_tokens_per_second=2000,
-                      idle_shutdown_s=8)
+                      idle_shutdown_s=20)
     run_id = trigger_run(api, cfg, airflow["config_dir"])
-    answer(run_id, "Approve", pending_for_s=8 + 4)  # the idle time, and the watchdog's polls after it
+    answer(run_id, "Approve", pending_for_s=20 + 4)  # the idle time, and the watchdog's polls after it
     assert_clean_success(api, run_id, cfg)
 
     cfg = make_config(approve_after_canary=True, output=str(tmp_path / "rejected"), sim_tokens_per_second=2000)

@@ -63,32 +63,48 @@ class AirflowProcesses:
 
     def stop(self) -> None:
         """SIGTERM every process and all its descendants (`airflow standalone` starts its
-        components in sessions of their own), SIGKILL what is left after a minute."""
+        components in sessions of their own) and whatever else runs in this home (a task the
+        scheduler started as it was stopped), SIGKILL what is left after a minute; again for what
+        they started meanwhile."""
         import psutil
 
-        procs = []
-        for proc in self.procs.values():
-            try:
-                parent = psutil.Process(proc.pid)
-                procs += [parent, *parent.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                pass
-        for proc in procs:
-            try:
-                proc.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=60)
-        for proc in alive:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=10)
+        home = str(self.env["AIRFLOW_HOME"])
+        for _ in range(3):
+            procs = []
+            for pid in [proc.pid for proc in self.procs.values()] + processes_with_env("AIRFLOW_HOME", home):
+                try:
+                    parent = psutil.Process(pid)
+                    procs += [parent, *parent.children(recursive=True)]
+                except psutil.NoSuchProcess:
+                    pass
+            procs = [proc for proc in procs if _running(proc)]
+            if not procs:
+                break
+            for proc in procs:
+                try:
+                    proc.terminate()
+                except psutil.NoSuchProcess:
+                    pass
+            _, alive = psutil.wait_procs(procs, timeout=60)
+            for proc in alive:
+                try:
+                    proc.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(alive, timeout=10)
         for proc in self.procs.values():
             proc.wait()
-        left = processes_with_env("AIRFLOW_HOME", str(self.env["AIRFLOW_HOME"]))
+        left = processes_with_env("AIRFLOW_HOME", home)
         assert left == [], f"Airflow processes left behind: {left}"
+
+
+def _running(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def deploy(cfg, config_dir: Path, dag_id: str = "regenerate_dataset") -> None:
