@@ -248,6 +248,12 @@ def _fuzz_table(results: dict[str, dict], rows: int) -> str:
               + ", ".join(f"{m} {'yes' if ok else 'NO'}" for m, ok in exact.items())
               + "; exactly once to a reader that globs the prefix: "
               + ", ".join(f"{m} {'yes' if ok else 'NO'}" for m, ok in globbed.items()) + "."]
+    if exact["regen"] and globbed["regen"] and not globbed["deltalake"]:
+        lines[-1] += (" The design kept: regen's protocol. Delta Lake is exactly once only to Delta readers (deltalake, "
+                      "DuckDB's and Polars' Delta scans): the files of killed appends and the files a rerun "
+                      "replaced stay under the prefix until a VACUUM (7 days by default), and `datasets`' "
+                      "`data_files` glob or `pandas.read_parquet` of the folder read them as rows; regen's "
+                      "`data/` is exactly the dataset to every Parquet reader.")
     return "\n".join(lines)
 
 

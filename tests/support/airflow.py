@@ -64,7 +64,7 @@ class AirflowProcesses:
     def stop(self) -> None:
         """SIGTERM every process and all its descendants (`airflow standalone` starts its
         components in sessions of their own) and whatever else runs in this home (a task the
-        scheduler started as it was stopped), SIGKILL what is left after a minute; again for what
+        scheduler started as it was stopped), SIGKILL what is left after 20 s; again for what
         they started meanwhile."""
         import psutil
 
@@ -85,7 +85,7 @@ class AirflowProcesses:
                     proc.terminate()
                 except psutil.NoSuchProcess:
                     pass
-            _, alive = psutil.wait_procs(procs, timeout=60)
+            _, alive = psutil.wait_procs(procs, timeout=20)
             for proc in alive:
                 try:
                     proc.kill()
