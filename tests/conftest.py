@@ -217,18 +217,21 @@ def airflow(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _no_run_left_on_the_shared_standalone(request):
-    """A test on the shared standalone that fails mid-run leaves its run going (an approval never
-    answered): the DAG's max_active_runs=1 would hold every later test's run behind it, and one
-    failure would fail the rest of the group. Whatever is still queued or running is failed."""
+def _no_run_left_on_a_shared_deployment(request):
+    """A test on a shared deployment (the standalone, the Celery cluster) that fails mid-run leaves
+    its run going (an approval never answered, a wait that ran out): the DAG's max_active_runs=1
+    would hold every later test's run behind it, or its late shards would read the next test's
+    deployment config, and one failure would fail the rest of the group. Whatever is still
+    queued or running is failed."""
     yield
-    if "airflow" not in request.fixturenames:
+    shared = next((name for name in ("airflow", "cluster") if name in request.fixturenames), None)
+    if shared is None:
         return
     import httpx
 
-    deployment = request.getfixturevalue("airflow")
+    deployment = request.getfixturevalue(shared)
     api = httpx.Client(base_url=f"{deployment['base']}/api/v2", timeout=60,
-                       headers={"Authorization": f"Bearer {deployment['token']}"})
+                       headers={"Authorization": f"Bearer {deployment['token']}"} if "token" in deployment else {})
     going = api.get("/dags/~/dagRuns", params=[("state", "queued"), ("state", "running")]).json()["dag_runs"]
     for run in going:
         api.patch(f"/dags/{run['dag_id']}/dagRuns/{run['dag_run_id']}", json={"state": "failed"})

@@ -23,6 +23,7 @@ def _task_log(api, run_id: str, task_id: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # its run took 8 min on a slow, loaded CI machine (600 s ran out)
 def test_a_run_of_ten_thousand_prompts_is_audited_in_parallel_inside_its_task(airflow, make_config, tmp_path):
     api = httpx.Client(base_url=f"{airflow['base']}/api/v2",
                        headers={"Authorization": f"Bearer {airflow['token']}"}, timeout=60)
