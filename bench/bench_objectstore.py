@@ -74,6 +74,10 @@ class Server:
                 raise SystemExit(f"moto_server exited: {self.log.read_text()[-1000:]}")
             time.sleep(0.1)
 
+    def filesystem(self) -> S3FileSystem:
+        return S3FileSystem(access_key=KEYS["AWS_ACCESS_KEY_ID"], secret_key=KEYS["AWS_SECRET_ACCESS_KEY"],
+                            endpoint_override=self.endpoint, scheme="http", region="us-east-1")
+
     def requests(self) -> int:
         return sum(1 for line in self.log.read_text(errors="replace").splitlines() if " HTTP/1.1" in line)
 
@@ -96,8 +100,7 @@ def run_regen(server: Server, bucket: str, rows: list[dict], part_rows: int, wor
 
 
 def run_baseline(server: Server, bucket: str, rows: list[dict], part_rows: int, work: Path) -> dict:
-    fs = S3FileSystem(access_key=KEYS["AWS_ACCESS_KEY_ID"], secret_key=KEYS["AWS_SECRET_ACCESS_KEY"],
-                      endpoint_override=server.endpoint, scheme="http", region="us-east-1")
+    fs = server.filesystem()
     path = f"{bucket}/base-{uuid.uuid4().hex[:6]}"
     marks = [(time.perf_counter(), server.requests())]
     ds.write_dataset(pa.Table.from_pylist(rows, schema=ROW_SCHEMA), path, format="parquet", filesystem=fs, max_rows_per_file=part_rows,
@@ -118,8 +121,7 @@ def run_delta(server: Server, bucket: str, rows: list[dict], part_rows: int, wor
     from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
     uri = f"s3://{bucket}/delta-{uuid.uuid4().hex[:6]}"
-    options = {"AWS_ENDPOINT_URL": server.endpoint, "AWS_ALLOW_HTTP": "true", "AWS_REGION": "us-east-1",
-               "conditional_put": "etag", **{k: v for k, v in KEYS.items() if k != "AWS_DEFAULT_REGION"}}
+    options = _delta_options(server.endpoint)
     marks = [(time.perf_counter(), server.requests())]
     for part, start in enumerate(range(0, len(rows), part_rows)):
         write_deltalake(uri, pa.Table.from_pylist(rows[start:start + part_rows], schema=ROW_SCHEMA), mode="append",
@@ -214,8 +216,7 @@ def fuzz(server: Server, mode: str, rows: list[dict], part_rows: int, kills: int
 def _readers(server: Server, mode: str, uri: str, bucket: str) -> dict:
     """(rows, distinct ids, edited rows) as the format's reader and as a prefix glob see them, and
     the bytes the prefix holds."""
-    fs = S3FileSystem(access_key=KEYS["AWS_ACCESS_KEY_ID"], secret_key=KEYS["AWS_SECRET_ACCESS_KEY"],
-                      endpoint_override=server.endpoint, scheme="http", region="us-east-1")
+    fs = server.filesystem()
     if mode == "regen":
         own = ds.dataset(f"{bucket}/out/data", format="parquet", filesystem=fs).to_table(columns=["id", "content"])
     else:
