@@ -48,7 +48,10 @@ class AirflowProcesses:
         self.procs[name] = subprocess.Popen([str(BIN / "airflow"), *argv], env=env,
                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def wait_api(self, base: str, timeout: float = 180) -> None:
+    def wait_api(self, base: str, timeout: float = 360) -> None:
+        """A component that dies fails this at once; the deadline is for one that hangs. It is
+        long because the suite starts its heavy fixtures together on 2 cores: a landing's CI once
+        waited over 180 s for a standalone that needs 19 s alone."""
         import httpx
 
         def up() -> bool:
