@@ -209,7 +209,7 @@ def regeneration_dag(run: RunDefinition):
         start_date=datetime(2026, 1, 1),
         catchup=False,
         max_active_runs=1,
-        params={name: Param(default, **schema) for name, (default, schema) in param_schemas(run.config, run.where).items()},
+        params={name: Param(default, **schema) for name, (default, schema) in param_schemas(run.config).items()},
         doc_md=run.doc_md(__doc__),
         tags=["regen", "llm-data"],
         user_defined_filters={"markdown_literal": markdown_literal},

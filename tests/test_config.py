@@ -83,18 +83,24 @@ def test_param_schemas_accept_the_defaults_and_refuse_what_pydantic_refuses():
     jsonschema.validate("NEXTN", schemas["speculative_algorithm"][1])
 
 
-def test_the_trigger_form_renders_markdown_says_deployment_once_and_labels_the_empty_choice():
+def test_the_trigger_form_renders_markdown_leaves_out_the_deployment_and_labels_the_empty_choice():
     """Airflow 3.3's form renders a Param's description_md as Markdown (a plain description shows
-    backticks raw), labels an enum value by values_display (else None shows as "null")."""
-    schemas = param_schemas(RunConfig(), "deploy/dataset.yaml")
+    backticks raw), labels an enum value by values_display (else None shows as "null"), and has no
+    read-only input: the deployment's fields are not Params, the DAG's page shows their values."""
+    from regen.config.deployment import DEPLOYMENT_FIELDS
+    from regen.dags.definitions import RunDefinition
+
+    deployment = RunConfig(engine_python="/opt/sglang/bin/python", api_key="k" * 32, approvers=["lead"])
+    schemas = param_schemas(deployment)
+    assert not set(schemas) & set(DEPLOYMENT_FIELDS) and "max_tokens" in schemas and "output" in schemas
     for name, (_, schema) in schemas.items():
         assert "description" not in schema and schema["description_md"], name
-    work_dir = schemas["work_dir"][1]["description_md"]
-    assert work_dir.startswith("Set by the deployment (deploy/dataset.yaml); a triggered run may not change it. The ")
-    assert work_dir.lower().count("set by the deployment") == 1
-    assert "`~/.cache/regen/work`" in work_dir  # Markdown, rendered by the form
+    assert "unique `id`" in schemas["prompts"][1]["description_md"]  # Markdown, rendered by the form
     spec = schemas["speculative_algorithm"][1]
     assert None in spec["enum"] and spec["values_display"] == {"null": "(empty: not set)"}
+    page = RunDefinition("regenerate_chat", deployment, None).doc_md("### how it works\n\nbody")
+    assert "| `engine_python` | `/opt/sglang/bin/python` |" in page and "| `approvers` | `[\"lead\"]` |" in page
+    assert "| `api_key` | set (never shown) |" in page and "k" * 32 not in page
 
 
 def test_cli_flags_override_the_yaml_with_the_same_names():

@@ -115,6 +115,7 @@ def test_the_specforge_recipe_accounts_for_every_prompt_and_its_files_pass_its_s
     A run with a shard not generated is refused and nothing is written."""
     from support.data import agentic_messages
 
+    import regen.export as regen_export
     from regen.export import RecipeIncomplete, export_specforge
     from regen.generate import ShardRun
     from regen.preflight import preflight
@@ -144,6 +145,10 @@ def test_the_specforge_recipe_accounts_for_every_prompt_and_its_files_pass_its_s
     assert sorted(r["id"] for r in chat) == sorted([f"single{i}" for i in range(4)] + [f"multi{i}" for i in range(3)])
     assert_specforge_valid(out / "regenerated.jsonl")
     assert len(events) == 4 + 3 * 2 == counts["events"]
+    index = [e["source_row_index"] for e in events]  # its conversation's line in the chat file
+    assert index == sorted(index) and sorted(set(index)) == list(range(7))
+    assert all(chat[e["source_row_index"]]["id"] == e["source_id"] for e in events)
+    assert sorted({r["source_row_index"] for r in agentic}) == [0, 1, 2]
     assert all(isinstance(r["tools"], str) and json.loads(r["tools"])[0]["type"] == "function" for r in agentic)
     assert {r["source_id"] for r in agentic} == {f"agent{i}" for i in range(3)}  # events: one per step
     assert any(m["role"] == "tool" for r in agentic for m in r["conversations"])
@@ -151,6 +156,14 @@ def test_the_specforge_recipe_accounts_for_every_prompt_and_its_files_pass_its_s
     assert error["id"] == "long" and error["status"] == "error" and "context length" in error["error"]
     [skipped] = read("regenerated_skipped.jsonl")
     assert skipped["status"] == "skipped" and skipped["error"].startswith("role_order") and skipped["data"]["line"] == 11
+    # In worker processes, batches of 3 rows: the same bytes in every file (the events and the
+    # agentic steps numbered across batches as one process numbers them).
+    parallel = export_specforge(cfg.output, tmp_path / "parallel", tiny_model, max_length=2048, workers=2, batch_size=3)
+    assert parallel.counts == counts
+    for name in (regen_export.RECIPE_CHAT, regen_export.RECIPE_EVENTS, regen_export.RECIPE_AGENTIC, regen_export.RECIPE_ERROR,
+                 regen_export.RECIPE_SKIPPED, regen_export.RECIPE_CONFIG):
+        assert (tmp_path / "parallel" / name).read_text() == (out / name).read_text().replace(
+            str(out.resolve()), str((tmp_path / "parallel").resolve())), name
     import yaml
 
     blocks = yaml.safe_load((out / "specforge_data.yaml").read_text())

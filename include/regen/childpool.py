@@ -26,6 +26,8 @@ import struct
 import subprocess
 import sys
 import traceback
+from collections import deque
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
@@ -138,6 +140,31 @@ class ChildPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def ordered_map(function: Callable, items: Iterable, workers: int, args: tuple = (),
+                initializer: Callable | None = None, init_args: tuple = ()) -> Iterator:
+    """``function(item, *args)`` of each item, in order: in this process when ``workers`` <= 1,
+    else in a :class:`ChildPool` of ``workers`` (``function`` and ``initializer`` named by their
+    module and name), at most two items per worker in flight so memory stays bounded."""
+    if workers <= 1:
+        if initializer is not None:
+            initializer(*init_args)
+        for item in items:
+            yield function(item, *args)
+        return
+
+    def name(fn: Callable) -> str:
+        return f"{fn.__module__}:{fn.__qualname__}"
+
+    with ChildPool(workers, name(function), name(initializer or _nothing), init_args) as pool:
+        pending: deque = deque()
+        for item in items:
+            pending.append(pool.submit(item, *args))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def call_bounded(function: str, args: tuple, seconds: float, memory_bytes: int) -> Any:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from collections import Counter
 from dataclasses import dataclass, field
@@ -29,8 +30,9 @@ from regen.errors import DataError
 from regen.files import atomic_file, atomic_write_text
 from regen.layout import RunLayout
 from regen.manifest import Manifest
-from regen.rows import (AUDIT_COLUMNS, TEXT_COLUMNS, arrow_bytes_per_row, asked_thinking, iter_batches,
-                        row_messages, row_tools)
+from regen.childpool import ordered_map
+from regen.rows import (AUDIT_COLUMNS, TEXT_COLUMNS, arrow_bytes_per_row, asked_thinking, count_rows, iter_batches,
+                        record_batches, row_messages, row_tools)
 from regen.training import (TrainLayout, conversation_record, event_records, history_kept, served, training_conversation,
                             training_samples, why_left_out)
 
@@ -246,7 +248,7 @@ class RecipeResult:
 
 def export_specforge(data_dir: str | Path | RunLayout, out_dir: str | Path, tokenizer_dir: str | Path,
                      template_name: str = "auto", train_layout: str = "auto",
-                     max_length: int | None = None) -> RecipeResult:
+                     max_length: int | None = None, workers: int | None = None, batch_size: int = 512) -> RecipeResult:
     """Every file SpecForge's documented steps take, from one run, in ``out_dir``:
 
     - ``regenerated.jsonl``: the chat conversations as its regenerate_train_data.py writes them,
@@ -263,6 +265,9 @@ def export_specforge(data_dir: str | Path | RunLayout, out_dir: str | Path, toke
       error + skipped must be the run's prompts (RecipeIncomplete otherwise, and nothing written);
     - ``specforge_data.yaml``: the ``data:`` block of a SpecForge run config for each training file
       (``max_length``: None takes the template's recipe, 0 none).
+
+    ``workers``: processes that turn batches of rows into lines (the export is CPU-bound: about
+    4 ms a row at seed lengths); default every core once the data pays for their start.
     """
     tokenizer = load_tokenizer(str(tokenizer_dir))
     template_name, train_layout = resolve_training(tokenizer, template_name, train_layout)
@@ -272,6 +277,8 @@ def export_specforge(data_dir: str | Path | RunLayout, out_dir: str | Path, toke
     out.mkdir(parents=True, exist_ok=True)
     _room_for(run, out, events=True)
     counts: Counter = Counter()
+    if workers is None:
+        workers = (os.cpu_count() or 1) if count_rows(run) >= PARALLEL_EXPORT_ROWS else 1
 
     def line(fh, doc: dict) -> None:
         fh.write(json.dumps(doc, ensure_ascii=False) + "\n")
@@ -279,34 +286,25 @@ def export_specforge(data_dir: str | Path | RunLayout, out_dir: str | Path, toke
     with (atomic_file(out / RECIPE_CHAT) as chat, atomic_file(out / RECIPE_EVENTS) as events,
           atomic_file(out / RECIPE_AGENTIC) as agentic, atomic_file(out / RECIPE_ERROR) as errors,
           atomic_file(out / RECIPE_SKIPPED) as skipped):
-        for rows in iter_batches(run, columns=TEXT_COLUMNS, max_batch_bytes=EXPORT_BATCH_BYTES):
-            for row in rows:
-                if row.get("error") is not None:
-                    line(errors, {"id": str(row["id"]), "conversations": [
-                        {"role": m["role"], "content": m.get("content")} for m in row_messages(row)],
-                        "status": "error", "error": row["error"]})
-                    counts["error"] += 1
-                    continue
-                record = conversation_record(row)
-                reason = why_left_out(row, expect_reasoning=True)
-                if reason:
-                    line(skipped, {**record, "status": "skipped", "error": reason})
-                    counts["skipped"] += 1
-                elif record.get("tools") or any(m["role"] == "tool" or m.get("tool_calls")
-                                                for m in record["conversations"]):
-                    if record.get("tools"):
-                        record["tools"] = json.dumps(record["tools"], ensure_ascii=False)
-                    docs = event_records(record, counts["agentic"], history_kept(row)) if train_layout == "events" else [record]
-                    for doc in docs:
-                        line(agentic, doc)
-                    counts["agentic"] += 1
-                    counts["agentic_records"] += len(docs)
+        files = {"chat": chat, "agentic": agentic, "error": errors, "skipped": skipped}
+        batches = record_batches(run, batch_size, TEXT_COLUMNS,
+                                 max_batch_bytes=EXPORT_BATCH_BYTES if workers <= 1 else PARALLEL_BATCH_BYTES)
+        for kinds in ordered_map(_recipe_lines, batches, workers, (train_layout,)):
+            for kind, lines in kinds:
+                if kind == "chat":  # its events are numbered by the conversation's line in the chat file
+                    text, events_of = lines
+                    chat.write(text)
+                    for event in events_of:
+                        events.write(event.replace(_ROW_INDEX_SLOT, f'"source_row_index": {counts["chat"]},', 1))
+                    counts["events"] += len(events_of)
+                elif kind == "agentic":  # numbered among the agentic conversations, in the events layout
+                    for doc in lines:
+                        agentic.write(doc.replace(_ROW_INDEX_SLOT, f'"source_row_index": {counts["agentic"]},', 1)
+                                      if train_layout == "events" else doc)
+                    counts["agentic_records"] += len(lines)
                 else:
-                    line(chat, record)
-                    for doc in event_records(record, counts["chat"]):
-                        line(events, doc)
-                        counts["events"] += 1
-                    counts["chat"] += 1
+                    files[kind].write(lines)
+                counts[kind] += 1
         manifest = Manifest(run).read().get("prompts") or {}
         refused = ([json.loads(text) for text in run.skipped_prompts.read_text().splitlines() if text.strip()]
                    if run.skipped_prompts.is_file() else [])
@@ -329,6 +327,44 @@ def export_specforge(data_dir: str | Path | RunLayout, out_dir: str | Path, toke
     blocks = _data_blocks(out, template_name, train_layout, max_length, counts)
     atomic_write_text(out / RECIPE_CONFIG, _recipe_yaml(blocks, train_layout))
     return RecipeResult(out, counts, train_layout, blocks, prompts)
+
+
+# A recipe export of at least this many rows runs in worker processes (their start costs seconds),
+# each taking batches of at most PARALLEL_BATCH_BYTES as Python objects, two per worker in flight.
+PARALLEL_EXPORT_ROWS = 4096
+PARALLEL_BATCH_BYTES = 64 << 20
+# An event's conversation index is its line in the chat file, known only once the batches before
+# are written: a worker writes this slot, the writer puts the index in. The first unescaped
+# `"source_row_index": ` of a line is the key's (inside a JSON string every quote is escaped).
+_ROW_INDEX_SLOT = '"source_row_index": -1,'
+
+
+def _recipe_lines(batch, train_layout: str) -> list[tuple[str, object]]:
+    """A batch's rows, in order, each as (the recipe file it goes to, its text): a chat row with its
+    events' lines (their conversation index a slot), an agentic row as its records' lines."""
+    out: list[tuple[str, object]] = []
+
+    def dumps(doc: dict) -> str:
+        return json.dumps(doc, ensure_ascii=False) + "\n"
+
+    for row in batch.to_pylist():
+        if row.get("error") is not None:
+            out.append(("error", dumps({"id": str(row["id"]), "conversations": [
+                {"role": m["role"], "content": m.get("content")} for m in row_messages(row)],
+                "status": "error", "error": row["error"]})))
+            continue
+        record = conversation_record(row)
+        reason = why_left_out(row, expect_reasoning=True)
+        if reason:
+            out.append(("skipped", dumps({**record, "status": "skipped", "error": reason})))
+        elif record.get("tools") or any(m["role"] == "tool" or m.get("tool_calls") for m in record["conversations"]):
+            if record.get("tools"):
+                record["tools"] = json.dumps(record["tools"], ensure_ascii=False)
+            docs = event_records(record, -1, history_kept(row)) if train_layout == "events" else [record]
+            out.append(("agentic", [dumps(doc) for doc in docs]))
+        else:
+            out.append(("chat", (dumps(record), [dumps(doc) for doc in event_records(record, -1)])))
+    return out
 
 
 def _data_blocks(out: Path, template_name: str, train_layout: str, max_length: int | None, counts: Counter) -> dict[str, dict]:

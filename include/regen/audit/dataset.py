@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -25,7 +25,7 @@ from regen.audit.findings import (SAMPLE_SCHEMA, AuditFailed, AuditReport, Audit
                                   mark_duplicates)
 from regen.audit.rules import audit_batch
 from regen.chat.render import load_tokenizer, resolve_training
-from regen.childpool import ChildPool
+from regen.childpool import ordered_map
 from regen.chat.templates import TRAIN_TEMPLATES, recipe
 from regen.config import RunConfig
 from regen.config.options import AuditOptions
@@ -215,15 +215,8 @@ def audited_batches(batches: Iterable[pa.RecordBatch], tokenizer_dir: str, thres
         for batch in batches:
             yield _audit_record_batch(batch, tokenizer, thresholds, default_thinking)
         return
-    with ChildPool(workers, "regen.audit.dataset:_worker_audit", "regen.audit.dataset:_worker_init",
-                   (tokenizer_dir, thresholds, default_thinking)) as pool:
-        pending: deque = deque()
-        for batch in batches:
-            pending.append(pool.submit(batch))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+    yield from ordered_map(_worker_audit, batches, workers, initializer=_worker_init,
+                           init_args=(tokenizer_dir, thresholds, default_thinking))
 
 
 # The audit's memory (audit_memory_gb): its own process and each worker before a batch (Python,

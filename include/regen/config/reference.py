@@ -16,8 +16,8 @@ HEADER = """# Params
 The DAG's Params (the trigger form), the CLI's `--config` YAML and its flags (`--max-tokens 2048`,
 `--no-enable-thinking`, `--gpus 0,1,2`) are one schema, `include/regen/config/`; an invalid value is
 refused with the field named, in the trigger form and in the CLI. Every Param has a default that
-runs on a CPU. A *deployment field* is set by the deployment's config file: a triggered run may not
-change it ([Who may choose what](deployment.md#who-may-choose-what)). This page is written from the
+runs on a CPU. A *deployment field* is set by the deployment's config file and is not in the trigger
+form: a triggered run may not change it ([Who may choose what](deployment.md#who-may-choose-what)). This page is written from the
 schema by `make docs`.
 
 | section | name | default | choices | meaning |

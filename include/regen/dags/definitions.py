@@ -9,6 +9,7 @@ files and pydantic, no connection, nothing heavy.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -45,7 +46,31 @@ class RunDefinition:
         body = how_it_works.strip()
         body = body.split("\n", 1)[1].lstrip() if body.startswith("###") else body
         return (f"### {self.dag_id}\n\nRegenerates `{c.prompts}` with the model `{c.model_path}` ({c.engine}"
-                f"{nodes}) into `{c.output}`, {when}. Defaults and deployment fields from {self.where}.\n\n{body}")
+                f"{nodes}) into `{c.output}`, {when}. Defaults and deployment fields from {self.where}.\n\n"
+                f"{self.deployment_table()}\n\n{body}")
+
+    def deployment_table(self) -> str:
+        """The deployment fields' values: they are not in the trigger form (regen.dags.params), so
+        the DAG's page is where a user reads them. The servers' key is never shown."""
+        from regen.config.deployment import DEPLOYMENT_FIELDS
+
+        rows = []
+        for name in DEPLOYMENT_FIELDS:
+            if name == "node":  # regen's own, per stage
+                continue
+            value = self.config.flat_value(name)
+            if name == "api_key":
+                shown = "set (never shown)" if value else "empty: a fresh key for each run"
+            elif name == "nodes":
+                shown = ", ".join(f"`{node.name}`" for node in value) or "empty: this machine"
+            elif value in (None, "", []):
+                shown = "empty"
+            else:
+                shown = f"`{json.dumps(value) if isinstance(value, list) else value}`"
+            rows.append(f"| `{name}` | {shown.replace('|', '&#124;')} |")
+        return ("#### Set by the deployment, not in the trigger form\n\nA run whose conf changes one of these "
+                "is refused at preflight. Set in: " + self.where + ".\n\n| field | value |\n| --- | --- |\n"
+                + "\n".join(rows))
 
     @property
     def dataset_name(self) -> str | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import re
 from typing import Any
 
 from regen.config import RunConfig, run_fields
@@ -24,24 +23,21 @@ def _flat_properties() -> dict[str, dict[str, Any]]:
         out[name] = {**prop, "section": field.section}
     return out
 
-# Never in the trigger form: regen sets `node` for a stage; the key is the deployment's secret
-# (a Param's value is shown with the DAG and stored with each run).
-NOT_PARAMS = frozenset({"node", "api_key"})
-DEPLOYMENT_SECTION = "Deployment (read-only: a run that changes one of these is refused)"
+# Never in the trigger form: regen sets `node` for a stage; the deployment's fields (the servers'
+# key among them) are the deployment's to choose (regen.config.deployment). Airflow 3.3's form has
+# no read-only input (a `const` Param is hidden only when its value is truthy), so they are absent:
+# the DAG's page lists their values (RunDefinition.doc_md), and a REST conf that names one with
+# another value is refused at preflight, naming the field and where the deployment sets it.
+NOT_PARAMS = frozenset({"node", *DEPLOYMENT_FIELDS})
 EMPTY_CHOICE = "(empty: not set)"
-# The schema's own words for a deployment field, said once by the form's note instead.
-_DEPLOYMENT_SAYS = re.compile(r"^(Deployment field\.|Set by the deployment[^:.;]*[:.;])\s*")
 
 
-def param_schemas(defaults: RunConfig | None = None, where: str = "regen's built-in defaults") -> dict[str, tuple[Any, dict[str, Any]]]:
-    """Per field: (default, JSON schema) for an Airflow Param, from the pydantic schema; the
-    defaults are ``defaults``' values (a deployment's config file, named by ``where``) or the
-    schema's own.
+def param_schemas(defaults: RunConfig | None = None) -> dict[str, tuple[Any, dict[str, Any]]]:
+    """Per run field: (default, JSON schema) for an Airflow Param, from the pydantic schema; the
+    defaults are ``defaults``' values (a deployment's config file) or the schema's own.
 
     Optional fields become ``type: [T, "null"]`` so that Airflow's trigger form shows a plain
-    input that may be left empty. The deployment's fields are shown in a section of their own,
-    saying so: Airflow 3.3's form has no read-only field, and a Param that refused other values
-    would refuse the run before preflight could say why.
+    input that may be left empty.
     """
     defaults = (defaults or RunConfig()).model_dump(mode="json")
     out: dict[str, tuple[Any, dict[str, Any]]] = {}
@@ -77,12 +73,7 @@ def param_schemas(defaults: RunConfig | None = None, where: str = "regen's built
             spec["enum"] = [prop["const"]]
         if None in spec.get("enum", ()):  # the form's label for leaving it empty, not "null"
             spec["values_display"] = {"null": EMPTY_CHOICE}
-        text = prop.get("description", "")
-        if name in DEPLOYMENT_FIELDS:
-            spec["section"] = DEPLOYMENT_SECTION
-            own = _DEPLOYMENT_SAYS.sub("", text)
-            text = f"Set by the deployment ({where}); a triggered run may not change it. " + own[:1].upper() + own[1:]
         # description_md: Airflow's form renders it as Markdown (a plain `description` shows backticks raw)
-        spec["description_md"] = text
+        spec["description_md"] = prop.get("description", "")
         out[name] = (defaults[name], spec)
     return out
