@@ -3,7 +3,7 @@ REST API, the page checked in headless Chromium (Debian's), and refused without 
 
 Costs about six minutes (standalone start-up, seven runs, one of them cleared twice). Saves screenshots to
 test-artifacts/: run-page.png, samples-viewer.png, run-page-preflight-failed.png, run-page-canary-failed.png,
-run-page-failed-shards.png, run-page-audit-failed.png and run-page-stopped.png.
+run-page-failed-shards.png, run-page-audit-failed.png, run-page-stopped.png, trigger-form.png and dag-docs-deployment.png.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import httpx
 import pytest
 
+from regen.config.deployment import DEPLOYMENT_FIELDS
 from support.airflow import (assert_clean_success, assert_no_server_left, fault_config, shard_states,
                              trigger_run, wait_run)
 from support.paths import ROOT
@@ -147,6 +148,30 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
         assert report.locator("details.sample-view").count() >= 5
         assert report.locator("details.sample-view[open] mark").count() >= 1  # the loss spans
         report.screenshot(path=str(ARTIFACTS / "samples-viewer.png"), full_page=True)
+
+        # Airflow's own trigger form: the run fields, none of the deployment's (Airflow 3.3's form
+        # has no read-only input); the DAG's docs list the deployment's values instead.
+        form = context.new_page()
+        form.goto(f"{base}/dags/regenerate_dataset")
+        form.get_by_role("button", name="Trigger").first.click()
+        form.locator("[role=dialog][data-state=open]").get_by_role("button", name="Run", exact=True).click()
+        form.wait_for_selector("#element_output", timeout=90000)
+        fields = set(form.locator("[id^=element_], [name^=element_]").evaluate_all(
+            "els => els.map(e => (e.id.startsWith('element_') ? e.id : e.getAttribute('name')).slice(8))"))
+        assert {"output", "prompts", "max_tokens", "enable_thinking"} <= fields, fields
+        assert not fields & set(DEPLOYMENT_FIELDS), fields
+        opened = "() => getComputedStyle(document.querySelector('[role=dialog][data-state=open]')).opacity === '1'"
+        form.wait_for_function(opened)  # its fade-in ended
+        form.screenshot(path=str(ARTIFACTS / "trigger-form.png"), full_page=True)
+        form.keyboard.press("Escape")
+        form.get_by_role("button", name="Dag Docs").click()
+        docs = form.locator("[role=dialog][data-state=open]")
+        heading = docs.get_by_text("Set by the deployment, not in the trigger form")
+        heading.wait_for(timeout=30000)
+        assert f"staging_dir\t{cfg.flat_value('staging_dir')}" in docs.inner_text()
+        form.wait_for_function(opened)
+        heading.evaluate("e => e.scrollIntoView()")
+        docs.screenshot(path=str(ARTIFACTS / "dag-docs-deployment.png"))
 
         # A run whose output path is markup: shown as text, no script runs.
         evil = tmp_path / "<img src=x onerror=window.pwned=1>"
