@@ -176,7 +176,7 @@ def main() -> None:
     lines = ["| stage | rows | time | peak memory | per 1k rows | 914k rows, 2 cores | 914k rows, 32 cores | note |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     def duration(s: float) -> str:
-        return f"{s / 3600:.1f} h" if s >= 3600 else f"{s / 60:.0f} min"
+        return f"{s / 3600:.1f} h" if s >= 3600 else f"{s / 60:.0f} min" if s >= 60 else f"{s:.0f} s"
 
     for stage, count, seconds, peak, note in rows:
         per_row = seconds / count
