@@ -213,7 +213,7 @@ def _export(data_dir: str | Path | RunLayout, out: str | Path, record, unit: str
                     result.left_out[reason] += 1
                     continue
                 for doc in docs:
-                    fh.write(json.dumps(doc, ensure_ascii=False) + "\n")
+                    fh.write(_jsonl(doc))
                 result.written += len(docs)
     return result
 
@@ -280,9 +280,6 @@ def export_specforge(data_dir: str | Path | RunLayout, out_dir: str | Path, toke
     if workers is None:
         workers = (os.cpu_count() or 1) if count_rows(run) >= PARALLEL_EXPORT_ROWS else 1
 
-    def line(fh, doc: dict) -> None:
-        fh.write(json.dumps(doc, ensure_ascii=False) + "\n")
-
     with (atomic_file(out / RECIPE_CHAT) as chat, atomic_file(out / RECIPE_EVENTS) as events,
           atomic_file(out / RECIPE_AGENTIC) as agentic, atomic_file(out / RECIPE_ERROR) as errors,
           atomic_file(out / RECIPE_SKIPPED) as skipped):
@@ -309,13 +306,13 @@ def export_specforge(data_dir: str | Path | RunLayout, out_dir: str | Path, toke
         refused = ([json.loads(text) for text in run.skipped_prompts.read_text().splitlines() if text.strip()]
                    if run.skipped_prompts.is_file() else [])
         for left in refused:  # by preflight, before anything was sent (skip_invalid)
-            line(skipped, {"status": "skipped", "error": f"{left['rule']}: {left['reason']}",
-                           "data": {"file": left["file"], "line": left["line"]}})
+            skipped.write(_jsonl({"status": "skipped", "error": f"{left['rule']}: {left['reason']}",
+                           "data": {"file": left["file"], "line": left["line"]}}))
         kept = [problem for _, problem in manifest.get("unreadable") or []]
         unreadable = manifest.get("unreadable_count") or 0
         for i in range(unreadable):
-            line(skipped, {"status": "skipped", "data": None, "error": kept[i] if i < len(kept) else
-                           "an unreadable record of the prompts file (preflight listed the first ones)"})
+            skipped.write(_jsonl({"status": "skipped", "data": None, "error": kept[i] if i < len(kept) else
+                           "an unreadable record of the prompts file (preflight listed the first ones)"}))
         counts["skipped"] += len(refused) + unreadable
         prompts = manifest["count"] + len(refused) + unreadable if "count" in manifest else None
         done = counts["chat"] + counts["agentic"] + counts["error"] + counts["skipped"]
@@ -339,31 +336,32 @@ PARALLEL_BATCH_BYTES = 64 << 20
 _ROW_INDEX_SLOT = '"source_row_index": -1,'
 
 
+def _jsonl(doc: dict) -> str:
+    """One line of every JSONL file the export writes."""
+    return json.dumps(doc, ensure_ascii=False) + "\n"
+
+
 def _recipe_lines(batch, train_layout: str) -> list[tuple[str, object]]:
     """A batch's rows, in order, each as (the recipe file it goes to, its text): a chat row with its
     events' lines (their conversation index a slot), an agentic row as its records' lines."""
     out: list[tuple[str, object]] = []
-
-    def dumps(doc: dict) -> str:
-        return json.dumps(doc, ensure_ascii=False) + "\n"
-
     for row in batch.to_pylist():
         if row.get("error") is not None:
-            out.append(("error", dumps({"id": str(row["id"]), "conversations": [
+            out.append(("error", _jsonl({"id": str(row["id"]), "conversations": [
                 {"role": m["role"], "content": m.get("content")} for m in row_messages(row)],
                 "status": "error", "error": row["error"]})))
             continue
         record = conversation_record(row)
         reason = why_left_out(row, expect_reasoning=True)
         if reason:
-            out.append(("skipped", dumps({**record, "status": "skipped", "error": reason})))
+            out.append(("skipped", _jsonl({**record, "status": "skipped", "error": reason})))
         elif record.get("tools") or any(m["role"] == "tool" or m.get("tool_calls") for m in record["conversations"]):
             if record.get("tools"):
                 record["tools"] = json.dumps(record["tools"], ensure_ascii=False)
             docs = event_records(record, -1, history_kept(row)) if train_layout == "events" else [record]
-            out.append(("agentic", [dumps(doc) for doc in docs]))
+            out.append(("agentic", [_jsonl(doc) for doc in docs]))
         else:
-            out.append(("chat", (dumps(record), [dumps(doc) for doc in event_records(record, -1)])))
+            out.append(("chat", (_jsonl(record), [_jsonl(doc) for doc in event_records(record, -1)])))
     return out
 
 
