@@ -39,8 +39,8 @@ from support.services import Services, services
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     home = tmp_path_factory.mktemp("celery")
-    with services(tmp_path_factory.mktemp("services")) as found:
-        yield from _cluster(home, found)
+    with services(tmp_path_factory.mktemp("services")) as found, found.database() as db:
+        yield from _cluster(home, found, db)
 
 
 SECRET_SETTINGS = ("_CMD", "PASSWORDS_FILE")
@@ -70,8 +70,7 @@ def compose_secrets(home: Path) -> tuple[dict[str, str], dict[str, str | None]]:
     return airflow, {**{k: None for k in airflow}, **worker}
 
 
-def _cluster(home: Path, found: Services):
-    db = found.new_database()
+def _cluster(home: Path, found: Services, db: str):
     port = free_port_base(1)
     redis_db = 8 + os.getpid() % 7
     subprocess.run(["redis-cli", "-h", "127.0.0.1", "-p", str(found.redis_port), "-n", str(redis_db), "flushdb"],
@@ -120,7 +119,6 @@ def _cluster(home: Path, found: Services):
                "config_dir": Path(env["REGEN_CONFIG_DIR"])}
     finally:
         cluster.stop()
-        found.psql(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
 
 
 def test_a_machine_without_postgres_or_redis_gets_its_own(tmp_path):
@@ -131,10 +129,10 @@ def test_a_machine_without_postgres_or_redis_gets_its_own(tmp_path):
 
     with own_services(tmp_path) as own:
         assert own.own and (own.postgres_port, own.redis_port) != (5432, 6379)
-        db = own.new_database()
-        out = subprocess.run(["psql", "-h", "127.0.0.1", "-p", str(own.postgres_port), "-U", "postgres", "-d", db,
-                              "-tAc", "select current_database()"], capture_output=True, text=True, timeout=60)
-        assert out.stdout.strip() == db
+        with own.database() as db:
+            out = subprocess.run(["psql", "-h", "127.0.0.1", "-p", str(own.postgres_port), "-U", "postgres", "-d", db,
+                                  "-tAc", "select current_database()"], capture_output=True, text=True, timeout=60)
+            assert out.stdout.strip() == db
         ping = subprocess.run(["redis-cli", "-p", str(own.redis_port), "ping"], capture_output=True, text=True)
         assert ping.stdout.strip() == "PONG"
         ports = (own.postgres_port, own.redis_port)

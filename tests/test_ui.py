@@ -1,7 +1,8 @@
 """The run page in a real Airflow: `airflow standalone` on loopback, a run triggered through the
 REST API, the page checked in headless Chromium (Debian's), and refused without a token.
 
-Costs about six minutes (standalone start-up, seven runs, one of them cleared twice). Saves screenshots to
+Costs about four minutes (seven runs side by side, each on a DAG of its own, one of them cleared
+twice; 229 s while a whole `.ci/run` shared the machine). Saves screenshots to
 test-artifacts/: run-page.png, samples-viewer.png, run-page-preflight-failed.png, run-page-canary-failed.png,
 run-page-failed-shards.png, run-page-audit-failed.png, run-page-stopped.png, trigger-form.png and dag-docs-deployment.png.
 """
@@ -9,13 +10,14 @@ run-page-failed-shards.png, run-page-audit-failed.png, run-page-stopped.png, tri
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import pytest
 
 from regen.config.deployment import DEPLOYMENT_FIELDS
 from support.airflow import (assert_clean_success, assert_no_server_left, fault_config, shard_states,
-                             trigger_run, wait_run)
+                             trigger_runs, undeploy, wait_run)
 from support.paths import ROOT
 from support.processes import wait_until
 
@@ -97,12 +99,58 @@ def test_the_status_and_regen_summary_say_what_failed_and_what_to_do(sim_servers
 
 @pytest.mark.slow
 def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, make_config, tmp_path):
+    api = httpx.Client(base_url=f"{airflow['base']}/api/v2", headers={"Authorization": f"Bearer {airflow['token']}"},
+                       timeout=30)
+    # Seven runs at once, each on a DAG of its own (a deployment file each, and max_active_runs=1
+    # would queue a DAG's runs one behind the other): the test waits for the slowest, not the sum.
+    cfg = make_config(num_shards=3, sim_tokens_per_second=2000)
+    evil = tmp_path / "<img src=x onerror=window.pwned=1>"  # an output path that is markup
+    faulty, _ = fault_config(make_config, tmp_path, "faults")
+    # A server loses thinking after the canary (its fault flags are the deployment's).
+    lost = make_config(output=str(tmp_path / "thinking-lost"), sim_tokens_per_second=2000)
+    lost = lost.model_copy(update={
+        "servers": lost.servers.model_copy(update={"extra_server_args": [
+            "--sim-ignore-thinking-after", "6", "--sim-faults-on-port", str(lost.servers.base_port + 1)]}),
+        "audit": lost.audit.model_copy(update={"max_degenerate_fraction": 0.002})})
+    # A run held under way while its hold file exists: 12 of its prompts are retried until then.
+    held, hold = fault_config(make_config, tmp_path, "stopped")
+    held = held.model_copy(update={"generation": held.generation.model_copy(update={"max_attempts": 10_000})})
+    configs = {"regenerate_dataset": cfg,
+               "regenerate_ui_xss": make_config(output=str(evil), num_shards=1, sim_tokens_per_second=2000),
+               "regenerate_ui_preflight": make_config(output=str(tmp_path / "no-prompts"),
+                                                      prompts=str(tmp_path / "missing.jsonl")),
+               "regenerate_ui_thinking_off": make_config(output=str(tmp_path / "thinking-off"), sim_ignore_thinking=True,
+                                                         sim_tokens_per_second=2000),
+               "regenerate_ui_faults": faulty, "regenerate_ui_lost": lost, "regenerate_ui_stopped": held}
+    try:
+        runs = trigger_runs(api, configs, airflow["config_dir"])
+        _check_run_pages(api, airflow, runs, configs, hold)
+    finally:  # the other tests on this standalone parse no DAG of this one
+        for dag_id in configs:
+            if dag_id != "regenerate_dataset":
+                undeploy(airflow["config_dir"], dag_id)
+
+
+def _check_run_pages(api, airflow, runs: dict[str, str], configs: dict, hold: Path) -> None:
+    """Each run's page, as its run ends (``runs`` and ``configs`` by DAG id); ``hold`` holds the
+    run marked failed under way."""
     from playwright.sync_api import sync_playwright
 
     base, headers = airflow["base"], {"Authorization": f"Bearer {airflow['token']}"}
-    api = httpx.Client(base_url=f"{base}/api/v2", headers=headers, timeout=30)
-    cfg = make_config(num_shards=3, sim_tokens_per_second=2000)
-    run_id = trigger_run(api, cfg, airflow["config_dir"])
+    cfg, held, lost = configs["regenerate_dataset"], configs["regenerate_ui_stopped"], configs["regenerate_ui_lost"]
+    run_id, stopped = runs["regenerate_dataset"], runs["regenerate_ui_stopped"]
+
+    def shards_under_way() -> bool:
+        shards = httpx.get(f"{base}/regen/runs/regenerate_ui_stopped/{stopped}/data", headers=headers,
+                           timeout=30).json()["progress"].get("shards", {})
+        return any(s["state"] == "running" and s.get("done", 0) > 0 for s in shards.values())
+
+    # A run a person marks failed mid-shard (the UI's PATCH): it ends failed, not green by
+    # Airflow's teardown rule, its servers stopped and its unfinished shards shown stopped.
+    wait_until(shards_under_way, 300, "the held run's shards under way")
+    marked = api.patch(f"/dags/regenerate_ui_stopped/dagRuns/{stopped}", json={"state": "failed"})
+    assert marked.status_code == 200, marked.text
+
     assert wait_run(api, run_id, 300) == "success"
     page_url = f"{base}/regen/runs/regenerate_dataset/{run_id}"
     assert httpx.get(page_url).status_code in (401, 403)  # no token: refused
@@ -174,91 +222,63 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
         docs.screenshot(path=str(ARTIFACTS / "dag-docs-deployment.png"))
 
         # A run whose output path is markup: shown as text, no script runs.
-        evil = tmp_path / "<img src=x onerror=window.pwned=1>"
-        xss_run = trigger_run(api, make_config(output=str(evil), num_shards=1, sim_tokens_per_second=2000),
-                              airflow["config_dir"])
-        assert wait_run(api, xss_run, 300) == "success"
+        assert wait_run(api, runs["regenerate_ui_xss"], 300, "regenerate_ui_xss") == "success"
         dialogs = []
         page = context.new_page()
         page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
-        page.goto(f"{base}/regen/runs/regenerate_dataset/{xss_run}")
+        page.goto(f"{base}/regen/runs/regenerate_ui_xss/{runs['regenerate_ui_xss']}")
         page.wait_for_selector("#verdict", timeout=30000)
         assert "<img src=x onerror=window.pwned=1>" in page.inner_text("#output")
         assert page.evaluate("window.pwned") is None and dialogs == []
         assert page.locator("#summary img").count() == 0
 
-        def open_run(run: str, selector: str):
-            """The run's page in a new tab, once ``selector`` shows (the page's data has come: on a
-            loaded machine the API server may answer the first request late, and the page asks again)."""
+        def open_run(dag_id: str, end_state: str, selector: str):
+            """The run's page in a new tab once the run has ended in ``end_state`` and ``selector``
+            shows (the page's data has come: on a loaded machine the API server may answer the
+            first request late, and the page asks again)."""
+            assert wait_run(api, runs[dag_id], 300, dag_id) == end_state
             tab = context.new_page()
-            tab.goto(f"{base}/regen/runs/regenerate_dataset/{run}")
+            tab.goto(f"{base}/regen/runs/{dag_id}/{runs[dag_id]}")
             tab.wait_for_selector(selector, timeout=90000)
             return tab
 
         # What went wrong, first on the page: the seed's disaster caught by the canary, then
         # shards whose prompts the servers fail, each with its error and the next step.
-        preflight_failed = trigger_run(api, make_config(output=str(tmp_path / "no-prompts"),
-                                                        prompts=str(tmp_path / "missing.jsonl")), airflow["config_dir"])
-        assert wait_run(api, preflight_failed, 300) == "failed"
-        page = open_run(preflight_failed, "#attention .problem")  # the reason on the page, not in a log
+        page = open_run("regenerate_ui_preflight", "failed", "#attention .problem")  # the reason on the page, not in a log
         alert = page.inner_text("#attention")
         assert alert.startswith("preflight failed: preflight found") and "missing.jsonl" in alert
         assert "next: fix what each problem names" in alert
         assert page.inner_text("#summary").startswith("no shard started") and "run failed" in page.inner_text("#summary")
         page.screenshot(path=str(ARTIFACTS / "run-page-preflight-failed.png"), full_page=True)
 
-        thinking_off = trigger_run(api, make_config(output=str(tmp_path / "thinking-off"), sim_ignore_thinking=True,
-                                                    sim_tokens_per_second=2000), airflow["config_dir"])
-        faulty, _ = fault_config(make_config, tmp_path, "faults")
-        faults = trigger_run(api, faulty, airflow["config_dir"])
-        assert wait_run(api, thinking_off, 300) == "failed" and wait_run(api, faults, 300) == "failed"
-        page = open_run(thinking_off, "#canary-verdict")
+        page = open_run("regenerate_ui_thinking_off", "failed", "#canary-verdict")
         assert page.inner_text("#canary-verdict") == "failed"
         alert = page.inner_text("#attention")
         assert "canary failed" in alert and "without reasoning while enable_thinking is on" in alert
         assert "next: fix what each problem names" in alert and "run failed" in page.inner_text("#summary")
         page.screenshot(path=str(ARTIFACTS / "run-page-canary-failed.png"), full_page=True)
-        page = open_run(faults, "#attention .problem")
+        page = open_run("regenerate_ui_faults", "failed", "#attention .problem")
         alert = page.inner_text("#attention")
         assert "3 shards failed (0/3, 1/3, 2/3)" in alert and "HTTP 500: simulated internal error" in alert
         assert "next: the servers failed on these requests" in alert
         assert "HTTP 500" in page.inner_text("#shards") and page.inner_text("#canary-verdict") == "passed"
         page.screenshot(path=str(ARTIFACTS / "run-page-failed-shards.png"), full_page=True)
 
-        # A server loses thinking after the canary: the live guard drains it (the page names it and
-        # why), the run ends on the other, and the audit fails on the rows it made before; and a
-        # run a person marks failed mid-shard (the UI's PATCH): it ends failed, not green by
-        # Airflow's teardown rule, its servers stopped and its unfinished shards shown stopped.
-        lost = make_config(output=str(tmp_path / "thinking-lost"), sim_tokens_per_second=2000)
-        lost = lost.model_copy(update={
-            "servers": lost.servers.model_copy(update={"extra_server_args": [
-                "--sim-ignore-thinking-after", "6", "--sim-faults-on-port", str(lost.servers.base_port + 1)]}),
-            "audit": lost.audit.model_copy(update={"max_degenerate_fraction": 0.002})})
-        audit_failed = trigger_run(api, lost, airflow["config_dir"])  # its fault flag is the deployment's:
-        assert wait_run(api, audit_failed, 300) == "failed"  # the next run's deployment waits
-        page = open_run(audit_failed, "#verdict")
+        # The server that lost thinking: the live guard drains it (the page names it and why), the
+        # run ends on the other, and the audit fails on the rows it made before.
+        page = open_run("regenerate_ui_lost", "failed", "#verdict")
         assert page.inner_text("#verdict") == "FAIL" and page.inner_text("#canary-verdict") == "passed"
         alert = page.inner_text("#attention")
         assert "audit FAIL: the data is not fit to train on" in alert and "next: read the report" in alert
         assert "drained by the quality guard" in alert and f":{lost.servers.base_port + 1}" in alert
         page.screenshot(path=str(ARTIFACTS / "run-page-audit-failed.png"), full_page=True)
 
-        def shards_under_way() -> bool:
-            shards = httpx.get(f"{base}/regen/runs/regenerate_dataset/{stopped}/data", headers=headers,
-                               timeout=30).json()["progress"].get("shards", {})
-            return any(s["state"] == "running" and s.get("done", 0) > 0 for s in shards.values())
-
-        slow = make_config(output=str(tmp_path / "stopped"), num_shards=2, sim_tokens_per_second=150)
-        stopped = trigger_run(api, slow, airflow["config_dir"])
-        wait_until(shards_under_way, 300, "the slow run's shards under way")
-        marked = api.patch(f"/dags/regenerate_dataset/dagRuns/{stopped}", json={"state": "failed"})
-        assert marked.status_code == 200, marked.text
-        assert wait_run(api, stopped, 300) == "failed"
-        states = shard_states(api, stopped)
+        # The run marked failed mid-shard.
+        page = open_run("regenerate_ui_stopped", "failed", "#attention .stopped")
+        states = shard_states(api, stopped, "regenerate_ui_stopped")
         assert states[("audit", -1)] == "skipped" and states[("stop_servers", -1)] == "failed", states
-        assert "failed" in {states.get(("generate", i)) for i in range(2)}, states
-        assert_no_server_left(slow)
-        page = open_run(stopped, "#attention .stopped")
+        assert "failed" in {states.get(("generate", i)) for i in range(held.num_shards)}, states
+        assert_no_server_left(held)
         alert = page.inner_text("#attention .stopped")
         assert "stopped unfinished" in alert and "the run is failed in Airflow" in alert
         assert "next: clear the whole run ('only failed' unticked" in alert
@@ -270,16 +290,17 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
     # Cleared with "only failed" ticked, the failed shards resume but the skipped audit would not
     # run: the teardown fails the run again, saying why. The whole run's Clear, as the page says,
     # resumes every shard and audits.
-    assert api.post(f"/dags/regenerate_dataset/dagRuns/{stopped}/clear",
+    hold.unlink()
+    assert api.post(f"/dags/regenerate_ui_stopped/dagRuns/{stopped}/clear",
                     json={"dry_run": False, "only_failed": True}).status_code == 200
-    assert wait_run(api, stopped, 300) == "failed"
-    states = shard_states(api, stopped)
+    assert wait_run(api, stopped, 300, "regenerate_ui_stopped") == "failed"
+    states = shard_states(api, stopped, "regenerate_ui_stopped")
     assert states[("audit", -1)] == "skipped" and states[("stop_servers", -1)] == "failed", states
-    assert "failed" not in {states.get(("generate", i)) for i in range(2)}, states
-    assert api.post(f"/dags/regenerate_dataset/dagRuns/{stopped}/clear",
+    assert "failed" not in {states.get(("generate", i)) for i in range(held.num_shards)}, states
+    assert api.post(f"/dags/regenerate_ui_stopped/dagRuns/{stopped}/clear",
                     json={"dry_run": False, "only_failed": False}).status_code == 200
-    assert_clean_success(api, stopped, slow)
-    assert shard_states(api, stopped)[("audit", -1)] == "success"
+    assert_clean_success(api, stopped, held, "regenerate_ui_stopped")
+    assert shard_states(api, stopped, "regenerate_ui_stopped")[("audit", -1)] == "success"
 
     # Another DAG's run: not served, whatever its conf says.
     wait_until(lambda: api.get("/dags/not_regen").status_code == 200, 120, "the other DAG parsed")

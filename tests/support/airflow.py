@@ -110,21 +110,50 @@ def _running(proc) -> bool:
         return False
 
 
+def _config_file(config_dir: Path, dag_id: str) -> Path:
+    return config_dir / f"{dag_id.removeprefix('regenerate_')}.yaml"
+
+
 def deploy(cfg, config_dir: Path, dag_id: str = "regenerate_dataset") -> None:
     """``cfg`` as the deployment's config file of ``dag_id``: its deployment fields (staging,
     output root, engine, connections, key) are then the deployment's, as a team would set them."""
-    (config_dir / f"{dag_id.removeprefix('regenerate_')}.yaml").write_text(cfg.to_yaml())
+    _config_file(config_dir, dag_id).write_text(cfg.to_yaml())
+
+
+def undeploy(config_dir: Path, dag_id: str) -> None:
+    """``dag_id`` gone from the deployment: its config file removed."""
+    _config_file(config_dir, dag_id).unlink(missing_ok=True)
 
 
 def trigger_run(api, cfg, config_dir: Path, dag_id: str = "regenerate_dataset") -> str:
     """Deploy ``cfg`` (its file in ``config_dir``), wait for the DAG to be parsed, unpause it,
     trigger a run of ``cfg`` through the REST API as the trigger form sends it."""
     deploy(cfg, config_dir, dag_id)
-    wait_until(lambda: api.get(f"/dags/{dag_id}").status_code == 200, 180, "DAG parsed")
+    wait_until(lambda: _answered(api, f"/dags/{dag_id}", lambda r: r.status_code == 200), 180, "DAG parsed")
     assert api.patch(f"/dags/{dag_id}", json={"is_paused": False}).status_code == 200
     created = api.post(f"/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": _conf(cfg)})
     assert created.status_code == 200, created.text
     return created.json()["dag_run_id"]
+
+
+def trigger_runs(api, configs: dict, config_dir: Path) -> dict[str, str]:
+    """A run of each DAG id's config, all deployed before the first is triggered, so that one
+    parse of the DAG file brings every new DAG: the run id of each DAG id."""
+    for dag_id, cfg in configs.items():
+        deploy(cfg, config_dir, dag_id)
+    return {dag_id: trigger_run(api, cfg, config_dir, dag_id) for dag_id, cfg in configs.items()}
+
+
+def _answered(api, path: str, read):
+    """``read`` of the API's answer to GET ``path``; None when it did not answer in the client's
+    timeout: a loaded API server (2 cores, the suite's other workers, every task's start
+    deserialising the DAG) once took 39 s for one request; a dead one fails the wait's deadline."""
+    import httpx
+
+    try:
+        return read(api.get(path))
+    except httpx.TimeoutException:
+        return None
 
 
 def wait_run(api, run_id: str, timeout: float, dag_id: str = "regenerate_dataset") -> str:
@@ -137,36 +166,37 @@ def wait_run(api, run_id: str, timeout: float, dag_id: str = "regenerate_dataset
     path = f"/dags/{dag_id}/dagRuns/{run_id}"
 
     def ended() -> bool:
-        beat = api.get("/monitor/health").json()["scheduler"]["latest_scheduler_heartbeat"]
+        health = _answered(api, "/monitor/health", lambda r: r.json())
+        beat = health and health["scheduler"]["latest_scheduler_heartbeat"]
         silent = (datetime.now(timezone.utc) - datetime.fromisoformat(beat)).total_seconds() if beat else 0
         assert silent < 120, f"the scheduler's last heartbeat was {silent:.0f} s ago: it died (its log is in the home)"
-        return api.get(path).json()["state"] in ("success", "failed")
+        return bool(health) and _answered(api, path, lambda r: r.json()["state"] in ("success", "failed"))
 
     wait_until(ended, timeout, "the run")
     run = api.get(path).json()
     settled = datetime.fromisoformat(run["end_date"]) + timedelta(seconds=2)
 
     def past_it() -> bool:
-        beat = api.get("/monitor/health").json()["scheduler"]["latest_scheduler_heartbeat"]
+        beat = _answered(api, "/monitor/health", lambda r: r.json()["scheduler"]["latest_scheduler_heartbeat"])
         return beat is not None and datetime.fromisoformat(beat) > settled
 
     wait_until(past_it, 60, "a scheduler heartbeat after the run ended")
     return run["state"]
 
 
-def shard_states(api, run_id: str) -> dict[tuple[str, int], str]:
+def shard_states(api, run_id: str, dag_id: str = "regenerate_dataset") -> dict[tuple[str, int], str]:
     """Every task instance's state, by (task_id, map_index)."""
-    tis = api.get(f"/dags/regenerate_dataset/dagRuns/{run_id}/taskInstances", params={"limit": 100}).json()
+    tis = api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances", params={"limit": 100}).json()
     return {(t["task_id"], t["map_index"]): t["state"] for t in tis["task_instances"]}
 
 
-def assert_clean_success(api, run_id: str, cfg) -> None:
+def assert_clean_success(api, run_id: str, cfg, dag_id: str = "regenerate_dataset") -> None:
     """The run ends green with every prompt's row once, none an error, and no server left."""
     import pandas as pd
 
     from support.data import read_ids
 
-    assert wait_run(api, run_id, 300) == "success", sorted(shard_states(api, run_id).items())
+    assert wait_run(api, run_id, 300, dag_id) == "success", sorted(shard_states(api, run_id, dag_id).items())
     df = pd.read_parquet(Path(cfg.output) / "data")
     assert sorted(df["id"]) == sorted(read_ids(Path(cfg.prompts))) and df["id"].is_unique
     assert df["error"].isna().all()
@@ -192,11 +222,25 @@ SHARD_POOL = "regen_shards"  # the standalone's REGEN_POOL (tests/conftest.py)
 
 @contextlib.contextmanager
 def airflow_standalone(home: Path, **env: str):
-    """`airflow standalone` on loopback (SQLite, LocalExecutor) in ``home``, its environment
-    extended by ``env``; about 40 s to start. Users: admin, and `trigger`, who may only read and
+    """`airflow standalone` on loopback (PostgreSQL, LocalExecutor) in ``home``, its environment
+    extended by ``env``; about 20 s to start. Users: admin, and `trigger`, who may only read and
     trigger DAGs (the simple auth manager's `user` role). Yields its base URL, a token of each,
     its home and its deployment's config folder (REGEN_CONFIG_DIR, holding `dataset.yaml`);
-    every process it started is stopped afterwards."""
+    every process it started is stopped afterwards, its database dropped.
+
+    PostgreSQL, as a team's deployment has it: on SQLite, one writer at a time, runs side by side
+    stalled every task's start and heartbeat behind the scheduler's writes (a task's start took
+    39 s, the API server answered 500 "database is locked")."""
+    from support.services import services
+
+    (home / "services").mkdir(exist_ok=True)
+    with services(home / "services") as found, found.database() as db:
+        with _standalone(home, AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=found.sql_url(db), **env) as deployment:
+            yield deployment
+
+
+@contextlib.contextmanager
+def _standalone(home: Path, **env: str):
     import json
 
     import httpx

@@ -1,4 +1,4 @@
-"""PostgreSQL and Redis for the Celery test: the ones the machine runs on their standard ports,
+"""PostgreSQL and Redis for the Airflow deployments of the tests: the ones the machine runs on their standard ports,
 or, on a machine that has none (or with REGEN_TEST_SERVICES=own), private ones started here
 from Debian's binaries (`make system` installs them) on free ports, and removed afterwards."""
 
@@ -36,10 +36,15 @@ class Services:
         subprocess.run(["psql", "-h", "127.0.0.1", "-p", str(self.postgres_port), "-U", "postgres", "-c", sql],
                        check=True, capture_output=True, timeout=60)
 
-    def new_database(self) -> str:
-        name = f"regen_celery_{uuid.uuid4().hex[:8]}"
+    @contextlib.contextmanager
+    def database(self) -> Iterator[str]:
+        """A database of its own for one deployment, dropped afterwards."""
+        name = f"regen_test_{uuid.uuid4().hex[:8]}"
         self.psql(f"CREATE DATABASE {name}")
-        return name
+        try:
+            yield name
+        finally:
+            self.psql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 def answers(port: int) -> bool:
