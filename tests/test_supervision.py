@@ -80,9 +80,10 @@ def test_the_limit_is_sglangs_effective_one_and_shared_by_every_shard(sim_server
 
 def test_a_shards_deadline_moves_with_its_pace_and_a_hung_one_fails_there_and_its_retry_resumes(
         sim_servers, tmp_path, caplog, monkeypatch):
-    """A canary's estimate far too low (a 2 s deadline for a shard of several seconds) fails no
-    shard: the deadline moves with the shard's own pace while rows come in (it failed at 2 s
-    before). A server that stops answering (SIGSTOP) with rows left: no row comes in, the attempt
+    """A canary's estimate far too low (a 5 s deadline for a shard of about 10 s) fails no
+    shard: the deadline moves with the shard's own pace while rows come in (it failed at the
+    first deadline before). The first rows must come before it: 5 s, not 2, for a loaded CI
+    machine, where they once took longer than 2 s. A server that stops answering (SIGSTOP) with rows left: no row comes in, the attempt
     fails at its last deadline with what it finished kept; the retry sends only the rest."""
     import logging
 
@@ -93,13 +94,21 @@ def test_a_shards_deadline_moves_with_its_pace_and_a_hung_one_fails_there_and_it
 
     assert shard_deadline_s({"eta_s": 3600}) == 4 * 3600 and shard_deadline_s({"eta_s": 60}) == SHARD_DEADLINE_FLOOR_S
     assert shard_deadline_s(None) is None and shard_deadline_s({"eta_s": None}) is None
+    tuning = ClientTuning(progress_interval_s=0.5)
+    slow, slow_records = sim_servers(num_servers=1, sim_tokens_per_second=200, concurrency_per_server=4,
+                                     output=str(tmp_path / "paced"))
+    slow = slow.model_copy(update={"prompts": str(write_prompts(tmp_path / "paced.jsonl", 60)), "num_shards": 1})
+    with caplog.at_level(logging.INFO, "regen.generate"):
+        paced = ShardRun(slow, [(r.url, r.api_key) for r in slow_records], 0, slow_records[0].model_fingerprint,
+                         tuning, deadline_s=5).run()
+    assert paced.shards[0].done == 60 and paced.seconds > 5 and "deadline moved to" in caplog.text
+
+    # The hang, on a server twice as fast: the deadline it ends at is what the first rows' pace
+    # set (about 7 s here).
     cfg, records = sim_servers(num_servers=1, sim_tokens_per_second=400, concurrency_per_server=4)
     prompts = write_prompts(tmp_path / "p.jsonl", 40)
     cfg = cfg.model_copy(update={"prompts": str(prompts), "num_shards": 1})
-    endpoints, tuning = [(r.url, r.api_key) for r in records], ClientTuning(progress_interval_s=0.5)
-    with caplog.at_level(logging.INFO, "regen.generate"):
-        paced = ShardRun(cfg, endpoints, 0, records[0].model_fingerprint, tuning, deadline_s=2).run()
-    assert paced.shards[0].done == 40 and paced.seconds > 2 and "deadline moved to" in caplog.text
+    endpoints = [(r.url, r.api_key) for r in records]
 
     monkeypatch.setattr(generate, "SHARD_DEADLINE_FACTOR", 1.0)  # the hang met sooner: seconds, not 4x them
     hung = cfg.model_copy(update={"output": str(tmp_path / "hung")})
@@ -113,7 +122,7 @@ def test_a_shards_deadline_moves_with_its_pace_and_a_hung_one_fails_there_and_it
 
     try:
         with pytest.raises(ShardFailed, match="passed its deadline of [0-9]+ s"):
-            ShardRun(hung, endpoints, 0, records[0].model_fingerprint, tuning, on_row=stop_at_30, deadline_s=2).run()
+            ShardRun(hung, endpoints, 0, records[0].model_fingerprint, tuning, on_row=stop_at_30, deadline_s=5).run()
     finally:
         os.kill(server, signal.SIGCONT)
     sent_first = sim_requests_total(records[0].url)
