@@ -4,6 +4,7 @@ where a SpecForge clone is at hand, its own scripts."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -106,7 +107,7 @@ def specforge_scripts(folder: Path) -> Path | None:
 
 
 def test_the_specforge_recipe_accounts_for_every_prompt_and_its_files_pass_its_scripts(sim_servers, tmp_path,
-                                                                                        tiny_model):
+                                                                                        tiny_model, caplog):
     """One run of chat, multi-turn and agentic rows, one conversation preflight skipped and one
     prompt past the servers' context: `regen export --format specforge` writes the chat file its
     validator passes, the events file its expander writes from it (record for record), the
@@ -164,6 +165,11 @@ def test_the_specforge_recipe_accounts_for_every_prompt_and_its_files_pass_its_s
                  regen_export.RECIPE_SKIPPED, regen_export.RECIPE_CONFIG):
         assert (tmp_path / "parallel" / name).read_text() == (out / name).read_text().replace(
             str(out.resolve()), str((tmp_path / "parallel").resolve())), name
+    # Workers asked for beyond the memory the export may take (the audit's bound): as many as fit.
+    with caplog.at_level(logging.INFO, "regen.export"):
+        bounded = export_specforge(cfg.output, tmp_path / "bounded", tiny_model, max_length=2048, workers=4,
+                                   memory_gb=0.5)
+    assert bounded.counts == counts and "in 1 worker process(es) (of 4 asked: memory)" in caplog.text
     import yaml
 
     blocks = yaml.safe_load((out / "specforge_data.yaml").read_text())

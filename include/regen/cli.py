@@ -245,7 +245,8 @@ def cmd_export(args) -> int:
     if args.format == "specforge":
         try:
             result = export_specforge(data, args.out, tokenizer, recipe["train_template"], recipe["train_layout"],
-                                      recipe["train_max_length"], workers=args.workers)
+                                      recipe["train_max_length"], workers=args.workers,
+                                      memory_gb=cfg.audit.audit_memory_gb)
         except RecipeIncomplete as exc:
             print(exc, file=sys.stderr)
             return EXIT_FAILED
@@ -414,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expect-reasoning", action=argparse.BooleanOptionalAction, default=True,
                    help="leave out rows without reasoning (default), as training with thinking needs")
     p.add_argument("--workers", type=int, help="specforge: processes writing the lines (default: every core "
-                                               "when the data has 4,096 rows or more, else 1)")
+                                               "when the data has 4,096 rows or more, else 1; at most as many "
+                                               "as --audit-memory-gb holds)")
     p.add_argument("--force", action="store_true",
                    help="write a recipe (--train-template, --train-layout, --train-max-length) other than the one "
                         "the output's audit judged")

@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from regen.audit.dataset import planned_workers
 from regen.chat.loss import training_tokens
 from regen.chat.onpolicy import certify
 from regen.chat.render import generation_prefill, load_tokenizer, render, resolve_training
@@ -248,7 +249,8 @@ class RecipeResult:
 
 def export_specforge(data_dir: str | Path | RunLayout, out_dir: str | Path, tokenizer_dir: str | Path,
                      template_name: str = "auto", train_layout: str = "auto",
-                     max_length: int | None = None, workers: int | None = None, batch_size: int = 512) -> RecipeResult:
+                     max_length: int | None = None, workers: int | None = None, batch_size: int = 512,
+                     memory_gb: float | None = None) -> RecipeResult:
     """Every file SpecForge's documented steps take, from one run, in ``out_dir``:
 
     - ``regenerated.jsonl``: the chat conversations as its regenerate_train_data.py writes them,
@@ -267,8 +269,11 @@ def export_specforge(data_dir: str | Path | RunLayout, out_dir: str | Path, toke
       (``max_length``: None takes the template's recipe, 0 none).
 
     ``workers``: processes that turn batches of rows into lines (the export is CPU-bound: about
-    4 ms a row at seed lengths); default every core once the data pays for their start.
+    4 ms a row at seed lengths); default every core once the data pays for their start, as many
+    as ``memory_gb`` holds (the audit's bound, ``audit_memory_gb``: about 0.4 GB a worker, so 32
+    cores would otherwise take 13 GB).
     """
+
     tokenizer = load_tokenizer(str(tokenizer_dir))
     template_name, train_layout = resolve_training(tokenizer, template_name, train_layout)
     max_length = recipe(template_name).max_length if max_length is None else max_length
@@ -277,15 +282,19 @@ def export_specforge(data_dir: str | Path | RunLayout, out_dir: str | Path, toke
     out.mkdir(parents=True, exist_ok=True)
     _room_for(run, out, events=True)
     counts: Counter = Counter()
-    if workers is None:
-        workers = (os.cpu_count() or 1) if count_rows(run) >= PARALLEL_EXPORT_ROWS else 1
+    rows = count_rows(run)
+    asked = workers if workers is not None else (os.cpu_count() or 1) if rows >= PARALLEL_EXPORT_ROWS else 1
+    workers, batch_bytes, memory_gb = planned_workers(asked, memory_gb)
+    log.info("exporting %s rows in %d worker process(es)%s (audit_memory_gb %s)", f"{rows:,}", workers,
+             f" (of {asked} asked: memory)" if workers < asked else "", memory_gb)
 
     with (atomic_file(out / RECIPE_CHAT) as chat, atomic_file(out / RECIPE_EVENTS) as events,
           atomic_file(out / RECIPE_AGENTIC) as agentic, atomic_file(out / RECIPE_ERROR) as errors,
           atomic_file(out / RECIPE_SKIPPED) as skipped):
         files = {"chat": chat, "agentic": agentic, "error": errors, "skipped": skipped}
         batches = record_batches(run, batch_size, TEXT_COLUMNS,
-                                 max_batch_bytes=EXPORT_BATCH_BYTES if workers <= 1 else PARALLEL_BATCH_BYTES)
+                                 max_batch_bytes=EXPORT_BATCH_BYTES if workers <= 1 else
+                                 min(PARALLEL_BATCH_BYTES, batch_bytes))
         for kinds in ordered_map(_recipe_lines, batches, workers, (train_layout,)):
             for kind, lines in kinds:
                 if kind == "chat":  # its events are numbered by the conversation's line in the chat file

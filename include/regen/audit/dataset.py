@@ -239,6 +239,14 @@ def memory_plan(memory_bytes: float, workers: int) -> tuple[int, int]:
     return workers, max(int(spare // (BATCH_COPIES * workers + 1)), 1)
 
 
+def planned_workers(asked: int, memory_gb: float | None) -> tuple[int, int, float]:
+    """:func:`memory_plan` within ``memory_gb`` (None: the schema's ``audit_memory_gb`` default,
+    as a run's config would give it), and that memory: the audit's and the export's pools."""
+    if memory_gb is None:
+        memory_gb = AuditOptions.model_fields["audit_memory_gb"].default
+    return (*memory_plan(memory_gb * (1 << 30), asked), memory_gb)
+
+
 def audit_dataset(data: str | Path | RunLayout, tokenizer_dir: str | Path, report_dir: str | Path,
                   thresholds: AuditThresholds, default_thinking: bool = True,
                   batch_size: int = 512, workers: int | None = None, memory_gb: float | None = None) -> AuditReport:
@@ -251,10 +259,8 @@ def audit_dataset(data: str | Path | RunLayout, tokenizer_dir: str | Path, repor
     rows = count_rows(layout)
     if workers is None:
         workers = (os.cpu_count() or 1) if rows >= 8 * batch_size else 1
-    if memory_gb is None:  # the schema's default, as a run's config would give it
-        memory_gb = AuditOptions.model_fields["audit_memory_gb"].default
     asked = workers
-    workers, batch_bytes = memory_plan(memory_gb * (1 << 30), workers)
+    workers, batch_bytes, memory_gb = planned_workers(asked, memory_gb)
     thresholds = resolved(thresholds, load_tokenizer(str(tokenizer_dir)))
     log.info("auditing %s rows in %d worker process(es)%s, batches of at most %d MB as Python objects "
              "(audit_memory_gb %s)", f"{rows:,}", workers,
