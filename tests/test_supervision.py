@@ -133,6 +133,52 @@ def test_a_shards_deadline_moves_with_its_pace_and_a_hung_one_fails_there_and_it
     assert sorted(df["id"]) == sorted(read_ids(prompts)) and df["id"].is_unique
 
 
+BLOCKED_LOOP = """
+import json, sys, time
+from regen import generate
+from regen.config import RunConfig
+from regen.dispatch import ClientTuning
+
+cfg = RunConfig.model_validate_json(sys.argv[1])
+url, key, fingerprint = json.loads(sys.argv[2])
+generate.LOOP_GRACE_S, generate.LOOP_CHECK_S = 1.0, 0.2
+
+def block_the_loop(row):
+    attempt.deadline_s = time.monotonic() - attempt.started  # it passes now, whatever the load
+    time.sleep(600)  # a callback that never returns, on the loop: no asyncio timeout can fire
+
+attempt = generate.ShardRun(cfg, [(url, key)], 0, fingerprint, ClientTuning(progress_interval_s=0.5),
+                            on_row=block_the_loop, deadline_s=3600)
+attempt.run()
+"""
+
+
+def test_a_shard_whose_event_loop_blocks_ends_past_its_deadline_and_its_retry_resumes(sim_servers, tmp_path):
+    """The attempt's deadline is an asyncio timeout, which a blocked loop never fires: a thread
+    ends the process past the deadline (its grace shortened here, the deadline set to pass as the
+    loop blocks), naming the shard and the loop's stack, with the shard shown failed; the retry
+    keeps the rows the journal holds. About 10 s: one sim server, a child process."""
+    from regen.dispatch import ClientTuning
+    from regen.generate import EXIT_LOOP_BLOCKED, ShardRun
+
+    cfg, records = sim_servers(num_servers=1, sim_tokens_per_second=400, concurrency_per_server=4)
+    prompts = write_prompts(tmp_path / "p.jsonl", 20)
+    cfg = cfg.model_copy(update={"prompts": str(prompts), "num_shards": 1})
+    server = json.dumps([records[0].url, records[0].api_key, records[0].model_fingerprint])
+    blocked = subprocess.run([sys.executable, "-c", BLOCKED_LOOP, cfg.model_dump_json(), server],
+                             capture_output=True, text=True, timeout=120)
+    assert blocked.returncode == EXIT_LOOP_BLOCKED, blocked.stderr[-3000:]
+    assert "shard-00000-of-00001: its event loop has been blocked past its deadline" in blocked.stderr
+    assert "in block_the_loop" in blocked.stderr  # the loop's stack, where it is stuck
+    shard = json.loads(cfg.layout.progress_file.read_text())["shards"]["shard-00000"]
+    assert shard["state"] == "failed" and "event loop has been blocked" in shard["reason"]
+    done = ShardRun(cfg, [(records[0].url, records[0].api_key)], 0, records[0].model_fingerprint,
+                    ClientTuning(progress_interval_s=0.5)).run()
+    assert done.failed == 0 and done.skipped >= 1  # the row the blocked attempt journaled, kept
+    df = pd.read_parquet(Path(cfg.output) / "data")
+    assert sorted(df["id"]) == sorted(read_ids(prompts)) and df["id"].is_unique
+
+
 def test_a_server_killed_mid_shard_is_restarted_and_the_shard_completes(sim_servers, tmp_path):
     cfg, records = sim_servers(num_servers=2, sim_tokens_per_second=300, concurrency_per_server=4)
     victim = records[1]

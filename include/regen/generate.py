@@ -15,7 +15,9 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -137,10 +139,40 @@ class ShardRun:
         return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} shards)"
 
     def run(self) -> GenerateResult:
+        ended = threading.Event()
+        watchdog = threading.Thread(target=self._watch_loop, args=(threading.get_ident(), ended), daemon=True,
+                                    name=f"{self.name} loop watchdog")
         with contextlib.ExitStack() as locks:
             for store in self.stores:
                 locks.enter_context(store.lock())
-            return asyncio.run(self._run())
+            if self.deadline_s is not None:
+                watchdog.start()
+            try:
+                return asyncio.run(self._run())
+            finally:
+                ended.set()
+
+    def _watch_loop(self, loop_thread: int, ended: threading.Event) -> None:
+        """The attempt's deadline is an asyncio timeout, which a blocked event loop never fires (a
+        C call that does not return, a callback that sleeps): past the deadline by LOOP_GRACE_S,
+        this thread ends the process (EXIT_LOOP_BLOCKED) with the loop's stack in the log, rather
+        than leave the attempt to the stage's one-week backstop. The journal keeps what it
+        finished (exactly once under SIGKILL too); the retry resumes from there."""
+        while not ended.wait(LOOP_CHECK_S):
+            if self.deadline_s is None or time.monotonic() < self.started + self.deadline_s + LOOP_GRACE_S:
+                continue
+            frame = sys._current_frames().get(loop_thread)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(gone)"
+            why = (f"{self.name}: its event loop has been blocked past its deadline of {self.deadline_s:.0f} s "
+                   f"(by {LOOP_GRACE_S:.0f} s): the attempt ends (exit {EXIT_LOOP_BLOCKED}); what it finished is "
+                   f"kept and its retry resumes from there")
+            log.error("%s. The loop's stack:\n%s", why, stack)
+            with contextlib.suppress(Exception):  # the loop is stuck: nothing else writes these now
+                self._report("failed", why)
+            for handler in logging.getLogger().handlers + log.handlers:
+                with contextlib.suppress(Exception):
+                    handler.flush()
+            os._exit(EXIT_LOOP_BLOCKED)
 
     def _drain_marked(self) -> None:
         """The servers another shard of the run drained get no new request from this one either;
@@ -460,6 +492,11 @@ def generate(cfg: RunConfig, shards: list[int], endpoints: list[str] | None = No
 # hung node or command, not a slow run or a low estimate.
 SHARD_DEADLINE_FACTOR = 4.0
 SHARD_DEADLINE_FLOOR_S = 1800.0
+# A loop that has not ended its attempt this long past the deadline is blocked (ShardRun._watch_loop),
+# checked this often; the process then exits with this code.
+LOOP_GRACE_S = 120.0
+LOOP_CHECK_S = 5.0
+EXIT_LOOP_BLOCKED = 75
 
 
 def shard_deadline_s(canary_estimate: dict | None) -> float | None:
