@@ -20,7 +20,7 @@ TINY = {
     "bench_engine.py": ["--engine", "sim", "--rounds", "2", "--times", "1"],
     "bench_fleet.py": ["--rows", "16", "--servers", "3", "--slots", "8", "--median", "40", "--max-tokens", "512",
                        "--rounds", "1"],
-    "bench_nodes.py": ["--rounds", "1", "--shards", "4", "--prompts", "40"],
+    "bench_nodes.py": ["--rounds", "1", "--shards", "2", "--prompts", "20"],
     "bench_objectstore.py": ["--rows", "2000", "--part-rows", "500", "--rounds", "1", "--kills", "1"],
     "bench_preflight.py": ["--prompts", "2000"],
     "bench_resume.py": ["--prompts", "2000", "--shards", "4"],
