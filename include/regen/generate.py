@@ -132,6 +132,7 @@ class ShardRun:
         self.eps: list = []
         self.last_reply: float | None = None  # monotonic: when the attempt's last row came in
         self.paced_rows = 0  # the attempt's rows when its deadline was last looked at (_keep_pace)
+        self.under_deadline = False  # generating, under the deadline (what _watch_loop watches)
 
     @property
     def name(self) -> str:
@@ -159,7 +160,7 @@ class ShardRun:
         than leave the attempt to the stage's one-week backstop. The journal keeps what it
         finished (exactly once under SIGKILL too); the retry resumes from there."""
         while not ended.wait(LOOP_CHECK_S):
-            if self.deadline_s is None or time.monotonic() < self.started + self.deadline_s + LOOP_GRACE_S:
+            if not self.under_deadline or time.monotonic() < self.started + self.deadline_s + LOOP_GRACE_S:
                 continue
             frame = sys._current_frames().get(loop_thread)
             stack = "".join(traceback.format_stack(frame)) if frame is not None else "(gone)"
@@ -279,6 +280,7 @@ class ShardRun:
                 self._report()
                 deadline = asyncio.timeout(self._time_left())
                 reporter = asyncio.create_task(self._reporter(deadline))
+                self.under_deadline = True
                 try:
                     async with deadline:  # never wait_for: it can lose a cancellation (Python 3.11)
                         await self.gen.run(self._conversations(work))
@@ -294,6 +296,7 @@ class ShardRun:
                     self._report("failed", str(exc) or type(exc).__name__)
                     raise
                 finally:
+                    self.under_deadline = False  # the publish after it is not the deadline's
                     reporter.cancel()
                     pool.close()
                     # a publish under way finishes (or fails) before the attempt ends either way
