@@ -242,5 +242,26 @@ def _serve() -> None:
         _write(answers, answer)
 
 
+# A pool's memory (the audit's and the export's, audit_memory_gb): the main process and each worker
+# before a batch (Python, pyarrow, transformers, a tokenizer; ~85 MB measured with the demo's), and
+# a batch in a worker as Python objects three times over (its rows, their samples and results, the
+# pickles both ways).
+MAIN_BASE_BYTES = 600 << 20
+WORKER_BASE_BYTES = 250 << 20
+BATCH_COPIES = 3
+MIN_BATCH_BYTES = 16 << 20
+
+
+def memory_plan(memory_bytes: float, workers: int) -> tuple[int, int]:
+    """(workers, bytes of one batch as Python objects) within ``memory_bytes``: fewer workers than
+    asked when their start and a batch each would not fit; the batch as large as what is left allows."""
+    spare = max(memory_bytes - MAIN_BASE_BYTES, 0)
+    fit = int(spare // (WORKER_BASE_BYTES + BATCH_COPIES * MIN_BATCH_BYTES))
+    workers = max(1, min(workers, fit))
+    if workers > 1:
+        spare -= workers * WORKER_BASE_BYTES
+    return workers, max(int(spare // (BATCH_COPIES * workers + 1)), 1)
+
+
 if __name__ == "__main__":
     _serve()

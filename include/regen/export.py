@@ -22,8 +22,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from regen.audit.dataset import planned_workers
 from regen.chat.loss import training_tokens
+from regen.config.options import AuditOptions
 from regen.chat.onpolicy import certify
 from regen.chat.render import generation_prefill, load_tokenizer, render, resolve_training
 from regen.chat.templates import TRAIN_TEMPLATES, recipe
@@ -31,7 +31,7 @@ from regen.errors import DataError
 from regen.files import atomic_file, atomic_write_text
 from regen.layout import RunLayout
 from regen.manifest import Manifest
-from regen.childpool import ordered_map
+from regen.childpool import memory_plan, ordered_map
 from regen.rows import (AUDIT_COLUMNS, TEXT_COLUMNS, arrow_bytes_per_row, asked_thinking, count_rows, iter_batches,
                         record_batches, row_messages, row_tools)
 from regen.training import (TrainLayout, conversation_record, event_records, history_kept, served, training_conversation,
@@ -284,7 +284,8 @@ def export_specforge(data_dir: str | Path | RunLayout, out_dir: str | Path, toke
     counts: Counter = Counter()
     rows = count_rows(run)
     asked = workers if workers is not None else (os.cpu_count() or 1) if rows >= PARALLEL_EXPORT_ROWS else 1
-    workers, batch_bytes, memory_gb = planned_workers(asked, memory_gb)
+    memory_gb = AuditOptions.model_fields["audit_memory_gb"].default if memory_gb is None else memory_gb
+    workers, batch_bytes = memory_plan(memory_gb * (1 << 30), asked)
     log.info("exporting %s rows in %d worker process(es)%s (audit_memory_gb %s)", f"{rows:,}", workers,
              f" (of {asked} asked: memory)" if workers < asked else "", memory_gb)
 

@@ -25,7 +25,7 @@ from regen.audit.findings import (SAMPLE_SCHEMA, AuditFailed, AuditReport, Audit
                                   mark_duplicates)
 from regen.audit.rules import audit_batch
 from regen.chat.render import load_tokenizer, resolve_training
-from regen.childpool import ordered_map
+from regen.childpool import memory_plan, ordered_map
 from regen.chat.templates import TRAIN_TEMPLATES, recipe
 from regen.config import RunConfig
 from regen.config.options import AuditOptions
@@ -219,34 +219,6 @@ def audited_batches(batches: Iterable[pa.RecordBatch], tokenizer_dir: str, thres
                            init_args=(tokenizer_dir, thresholds, default_thinking))
 
 
-# The audit's memory (audit_memory_gb): its own process and each worker before a batch (Python,
-# pyarrow, transformers, a tokenizer; ~85 MB measured with the demo's), and a batch in a worker as
-# Python objects three times over (its rows, their samples and results, the pickles both ways).
-MAIN_BASE_BYTES = 600 << 20
-WORKER_BASE_BYTES = 250 << 20
-BATCH_COPIES = 3
-MIN_BATCH_BYTES = 16 << 20
-
-
-def memory_plan(memory_bytes: float, workers: int) -> tuple[int, int]:
-    """(workers, bytes of one batch as Python objects) within ``memory_bytes``: fewer workers than
-    asked when their start and a batch each would not fit; the batch as large as what is left allows."""
-    spare = max(memory_bytes - MAIN_BASE_BYTES, 0)
-    fit = int(spare // (WORKER_BASE_BYTES + BATCH_COPIES * MIN_BATCH_BYTES))
-    workers = max(1, min(workers, fit))
-    if workers > 1:
-        spare -= workers * WORKER_BASE_BYTES
-    return workers, max(int(spare // (BATCH_COPIES * workers + 1)), 1)
-
-
-def planned_workers(asked: int, memory_gb: float | None) -> tuple[int, int, float]:
-    """:func:`memory_plan` within ``memory_gb`` (None: the schema's ``audit_memory_gb`` default,
-    as a run's config would give it), and that memory: the audit's and the export's pools."""
-    if memory_gb is None:
-        memory_gb = AuditOptions.model_fields["audit_memory_gb"].default
-    return (*memory_plan(memory_gb * (1 << 30), asked), memory_gb)
-
-
 def audit_dataset(data: str | Path | RunLayout, tokenizer_dir: str | Path, report_dir: str | Path,
                   thresholds: AuditThresholds, default_thinking: bool = True,
                   batch_size: int = 512, workers: int | None = None, memory_gb: float | None = None) -> AuditReport:
@@ -260,7 +232,8 @@ def audit_dataset(data: str | Path | RunLayout, tokenizer_dir: str | Path, repor
     if workers is None:
         workers = (os.cpu_count() or 1) if rows >= 8 * batch_size else 1
     asked = workers
-    workers, batch_bytes, memory_gb = planned_workers(asked, memory_gb)
+    memory_gb = AuditOptions.model_fields["audit_memory_gb"].default if memory_gb is None else memory_gb
+    workers, batch_bytes = memory_plan(memory_gb * (1 << 30), asked)
     thresholds = resolved(thresholds, load_tokenizer(str(tokenizer_dir)))
     log.info("auditing %s rows in %d worker process(es)%s, batches of at most %d MB as Python objects "
              "(audit_memory_gb %s)", f"{rows:,}", workers,
