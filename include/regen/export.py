@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from regen.chat.loss import training_tokens
-from regen.config.options import AuditOptions
 from regen.chat.onpolicy import certify
 from regen.chat.render import generation_prefill, load_tokenizer, render, resolve_training
 from regen.chat.templates import TRAIN_TEMPLATES, recipe
+from regen.config.options import AuditOptions
 from regen.errors import DataError
 from regen.files import atomic_file, atomic_write_text
 from regen.layout import RunLayout
@@ -273,7 +273,6 @@ def export_specforge(data_dir: str | Path | RunLayout, out_dir: str | Path, toke
     as ``memory_gb`` holds (the audit's bound, ``audit_memory_gb``: about 0.4 GB a worker, so 32
     cores would otherwise take 13 GB).
     """
-
     tokenizer = load_tokenizer(str(tokenizer_dir))
     template_name, train_layout = resolve_training(tokenizer, template_name, train_layout)
     max_length = recipe(template_name).max_length if max_length is None else max_length
