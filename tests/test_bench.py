@@ -23,7 +23,7 @@ TINY = {
     "bench_nodes.py": ["--rounds", "1", "--shards", "2", "--prompts", "20"],
     "bench_objectstore.py": ["--rows", "2000", "--part-rows", "500", "--rounds", "1", "--kills", "1"],
     "bench_preflight.py": ["--prompts", "2000"],
-    "bench_resume.py": ["--prompts", "2000", "--shards", "4"],
+    "bench_resume.py": ["--prompts", "2000", "--shards", "4", "--id-prompts", "400", "--id-shards", "4", "--ids", "200"],
     "bench_scale.py": ["--prompts", "600", "--id-rows", "20", "--shards", "2"],
     "bench_share.py": ["--prompts", "60", "--rounds", "1"],
     "bench_stage.py": ["--shards", "2", "--shard-mb", "4", "--rounds", "1"],

@@ -358,6 +358,49 @@ def test_prompts_appended_while_preflight_reads_them_are_never_silently_left_out
     assert Manifest(cfg.layout).current_for(cfg)["prompts"]["count"] == 11
 
 
+def test_a_journals_heads_and_rows_are_the_same_lines_whatever_the_file_holds(tmp_path, monkeypatch):
+    """Settling reads a journal's heads with Arrow's reader, publishing its rows as JSON: both must
+    take the same lines as a plain line-by-line reading does (blank and non-JSON lines passed over,
+    a line longer than the reader's block, a field of an odd type, a last line a kill cut), and the
+    reader goes on after a line it could not take."""
+    from regen import store as store_module
+
+    monkeypatch.setattr(store_module, "HEAD_BLOCK", 4096)
+    opened = []
+    open_json = store_module.pj.open_json
+    monkeypatch.setattr(store_module.pj, "open_json", lambda *a, **k: opened.append(1) or open_json(*a, **k))
+    stamp = {"prompt_hash": "h", "settings_hash": "s"}
+    lines = [json.dumps({"id": f"r{i}", "error": None, "content": "x\n", "completion_token_ids": [i] * 20, **stamp})
+             for i in range(200)]
+    lines[10] = json.dumps({"id": "r10", "partial": True, "turn": 0, "content": "step", **stamp})
+    lines[20] = ""
+    lines[30] = "not json"
+    lines[40] = json.dumps({"id": "r40", "error": {"code": 500}, "retryable": True, **stamp})
+    lines[50] = json.dumps({"id": "r50", "error": None, "completion_token_ids": list(range(3000)), **stamp})
+    lines[150] = ""
+    path = tmp_path / "journal.jsonl"
+    path.write_text("".join(line + "\n" for line in lines) + '{"id": "cut", "error": nu')
+
+    def plain(partial):
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if partial is None or bool(row.get("partial")) is partial:
+                yield row
+
+    for partial in (False, True, None):
+        expected = list(plain(partial))
+        assert list(Journal.rows(path, partial)) == expected
+        heads = list(Journal.heads(path, partial))
+        assert [h["id"] for h in heads] == [r["id"] for r in expected]
+        assert [h["error"] for h in heads] == [r.get("error") for r in expected]
+        assert list(Journal.rows_at(path, [h["at"] for h in heads])) == expected
+    assert len(opened) > 3  # per reading: the reader again after each line it passed to JSON
+    assert [h["retryable"] for h in Journal.heads(path) if h["id"] == "r40"] == [True]
+
+
 def test_a_resumed_shards_memory_follows_its_unfinished_conversations_not_its_journal(tmp_path):
     """A resume keeps the finished turns (with their 4k token ids) of the conversations still going
     only: a journal four times longer in finished conversations costs the same peak (within 20%)."""

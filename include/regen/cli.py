@@ -18,18 +18,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from regen.audit.findings import AuditFailed
 from regen.config import RunConfig, run_fields
-from regen.engines.simulator.app import main as simulator_main
 from regen.errors import DataError, RegenError
-from regen.export import RecipeConflict, RecipeIncomplete, export_recipe, export_sharegpt, export_specforge, export_tokens
 from regen.files import read_json
-from regen.layout import RunLayout
 from regen.objectstore import is_store_url, local_path
 from regen.pipeline import execute, run
-from regen.preflight import PreflightFailed
-from regen.status import attention, with_stopped_shards
-from regen.tinymodel import build_tiny_model
 from regen.units import format_duration
 
 EXIT_FAILED = 1
@@ -145,9 +138,13 @@ def _setup_logging(verbose: bool = False) -> None:
 
 
 # Each command runs its stage through regen.pipeline (here, or on the config's SSH node) and
-# prints the parts of its result a person needs.
+# prints the parts of its result a person needs. What only one command uses is imported when it
+# runs: a shard process (`regen generate --shard K`) starts without the audit, the export or the
+# simulator, and seven of them start at once on a node.
 
 def cmd_preflight(args) -> int:
+    from regen.preflight import PreflightFailed
+
     try:
         run("preflight", load_config(args), code=not args.skip_code)
     except PreflightFailed as exc:
@@ -216,6 +213,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_audit(args) -> int:
+    from regen.audit.findings import AuditFailed
+
     try:
         doc = run("audit", load_config(args), data=args.data, tokenizer=args.tokenizer,
                   report_dir=args.report, log_summary=False).model_dump(mode="json")
@@ -231,6 +230,10 @@ def cmd_audit(args) -> int:
 def cmd_export(args) -> int:
     """Every format writes the recipe the output was audited with (regen.export.export_recipe);
     flags override it, and one that contradicts it is refused unless --force."""
+    from regen.export import (RecipeConflict, RecipeIncomplete, export_recipe, export_sharegpt, export_specforge,
+                              export_tokens)
+    from regen.layout import RunLayout
+
     cfg = load_config(args)
     data = RunLayout.from_data_arg(args.data, cfg.work_dir)  # a bucket's audit and manifest are in work_dir
     try:
@@ -308,6 +311,8 @@ def cmd_progress(args) -> int:
 
 def cmd_summary(args) -> int:
     """Where the dataset and the report are, and the audit's five lines: readable in seconds."""
+    from regen.status import attention, with_stopped_shards
+
     layout = load_config(args).layout
     progress = with_stopped_shards(read_json(layout.progress_file) or {})
     print(f"dataset:  {layout.data}  ({progress.get('done', 0):,} rows done, "
@@ -335,6 +340,8 @@ def cmd_summary(args) -> int:
 
 
 def cmd_demo_model(args) -> int:
+    from regen.tinymodel import build_tiny_model
+
     print(build_tiny_model(args.out, force=args.force))
     return 0
 
@@ -458,6 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "sim":
+        from regen.engines.simulator.app import main as simulator_main
+
         return simulator_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -44,6 +45,9 @@ from regen.turns import Conversation
 from regen.units import format_duration
 
 log = logging.getLogger("regen.generate")
+# Shards settling at once in one process, at most one per core: their reading is mostly off the GIL,
+# and each reader holds ~0.1 GB.
+SETTLE_THREADS = 8
 
 
 def served_identity(endpoints: list) -> str:
@@ -222,35 +226,45 @@ class ShardRun:
                                list(shard.resumed.get(item.id, ())) if all_turns else [], all_turns, item.tools)
 
     def _settle(self, doc: dict) -> list[_Shard]:
-        """Each shard's rows already made, and what it still has to send; the shards with work."""
+        """Each shard's rows already made, and what it still has to send; the shards with work.
+        The shards settle at once (SETTLE_THREADS): their journals are read off the GIL (Arrow's
+        reader) and a bucket's requests overlap, so a resume of many shards in one process waits
+        about as long as its largest shard."""
         all_turns = self.cfg.generation.regenerate_turns == "all"
-        for store in self.stores:
-            shard = _Shard(store, self.manifest.shard_prompts(store.shard), bad=self._report_bad(doc, store))
-            settled, file_ids, failed = store.settled_and_failed(shard.prompts.hashes, self.settings_hash)
-            shard.settled = settled
-            self.shards[store.shard] = shard
-            if store.complete(shard.prompts.ids, settled, file_ids):
-                shard.up_to_date = True
-                store.tidy()
-                log.info("%s is up to date: every prompt has a good row of this run's prompts, "
-                         "model and settings (%s); nothing to send", store.name, store.location)
-                continue
-            shard.pending = set(shard.prompts.ids) - settled
-            # An earlier attempt's failures stay failures: the error bound is the shard's, not the attempt's.
-            shard.failed = len(failed)
-            shard.resumed = store.turns_done(shard.prompts.hashes, self.settings_hash)
+        at_once = min(len(self.stores), os.cpu_count() or 1, SETTLE_THREADS)
+        with ThreadPoolExecutor(at_once, thread_name_prefix="settle") as threads:
+            settled = list(threads.map(lambda store: self._settle_shard(store, doc, all_turns), self.stores))
+        for shard in settled:
+            self.shards[shard.store.shard] = shard
             for prompt_id in shard.pending:
                 self.shard_of[prompt_id] = shard
-            log.info("%s: %d prompts, %d already have a row, %d to send", store.name, shard.total,
-                     shard.skipped, len(shard.pending))
-            if shard.resumed:
-                log.info("%s: %d conversations resume after their last finished turn", store.name,
-                         len(set(shard.resumed) & shard.pending))
         work = [s for s in self.shards.values() if not s.up_to_date]
         for shard in work:
             self._check_errors(shard)  # a retry past the bound already fails before it sends anything
         self.demand = sum(s.turns_left(i, all_turns) for s in work for i in s.pending)
         return work
+
+    def _settle_shard(self, store: ShardStore, doc: dict, all_turns: bool) -> _Shard:
+        shard = _Shard(store, self.manifest.shard_prompts(store.shard), bad=self._report_bad(doc, store))
+        settled, file_ids, failed = store.settled_and_failed(shard.prompts.hashes, self.settings_hash)
+        shard.settled = settled
+        if store.complete(shard.prompts.ids, settled, file_ids):
+            shard.up_to_date = True
+            store.tidy()
+            log.info("%s is up to date: every prompt has a good row of this run's prompts, "
+                     "model and settings (%s); nothing to send", store.name, store.location)
+            return shard
+        shard.pending = set(shard.prompts.ids) - settled
+        # An earlier attempt's failures stay failures: the error bound is the shard's, not the attempt's.
+        shard.failed = len(failed)
+        if all_turns:
+            shard.resumed = store.turns_done(shard.prompts.hashes, self.settings_hash)
+        log.info("%s: %d prompts, %d already have a row, %d to send", store.name, shard.total,
+                 shard.skipped, len(shard.pending))
+        if shard.resumed:
+            log.info("%s: %d conversations resume after their last finished turn", store.name,
+                     len(set(shard.resumed) & shard.pending))
+        return shard
 
     async def _run(self) -> GenerateResult:
         doc = self.manifest.ensure(self.cfg, rebuild=self.rebuild_index)

@@ -372,18 +372,22 @@ class BucketShardStore(ShardStore):
     def settled_and_failed(self, hashes: dict[str, str], settings_hash: str) -> tuple[set[str], set[str], set[str]]:
         def settle():
             self._unsealed.clear()
-            return super(BucketShardStore, self).settled_and_failed(hashes, settings_hash)
+            found = super(BucketShardStore, self).settled_and_failed(hashes, settings_hash)
+            # the heads the settle kept, as the rows they are (in the same order)
+            rows = Journal.rows_at(self.journal_path, [head["at"] for head in self._unsealed.values()])
+            self._unsealed.update(zip(list(self._unsealed), rows))
+            return found
 
         found = self._store_io("read the shard from", settle)
         self._oldest = time.monotonic() if self._unsealed else None
         return found
 
-    def _journalled(self, row: dict, settles: bool) -> None:
+    def _journalled(self, head: dict, settles: bool) -> None:
         """Journal rows no part holds yet (a retry on the same node): sealed with the next part."""
         if settles:
-            self._unsealed[row["id"]] = row
+            self._unsealed[head["id"]] = head
         else:
-            self._unsealed.pop(row["id"], None)
+            self._unsealed.pop(head["id"], None)
 
     def _waiting(self, file_ids: set[str]) -> bool:
         """Rows not in the published file yet (a journal, sealed parts), or a file whose commit

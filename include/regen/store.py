@@ -14,9 +14,10 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import pyarrow as pa
+import pyarrow.json as pj
 import pyarrow.parquet as pq
 
 from regen.coordination import FileLock, LockHeld, check_held
@@ -32,6 +33,14 @@ STOPPING_ATTEMPT_GRACE_S = 60.0
 
 REPAIR_BLOCK = 1 << 16
 SETTLE_COLUMNS = ["id", "error", "prompt_hash", "settings_hash"]
+# What settling reads of a journal line (its head): what a row settles, and whether it is a turn.
+HEAD_SCHEMA = pa.schema([("id", pa.string()), ("prompt_hash", pa.string()), ("settings_hash", pa.string()),
+                         ("error", pa.string()), ("retryable", pa.bool_()), ("partial", pa.bool_())])
+HEAD_BLOCK = 2 << 20  # Arrow's JSON reader's block (~50 MB parsed): a longer line is read as JSON itself
+
+
+class _Misaligned(Exception):
+    """Arrow's reader passed over a line (a blank one): the line-by-line reading takes it from there."""
 
 
 class Journal:
@@ -79,17 +88,84 @@ class Journal:
 
     @staticmethod
     def rows(path: Path, partial: bool | None = False) -> Iterator[dict]:
-        """The finished rows, or with ``partial`` the turn rows (None: both, in order)."""
+        """The finished rows, or with ``partial`` the turn rows (None: both, in order): the lines
+        :meth:`heads` finds, each built whole."""
+        return Journal.heads(path, partial, whole=True)
+
+    @staticmethod
+    def heads(path: Path, partial: bool | None = False, whole: bool = False) -> Iterator[dict]:
+        """What settling needs of each line (HEAD_SCHEMA's fields, None where a line has none) and
+        where the line is (``at``: its byte range, for :meth:`rows_at`), or with ``whole`` the row.
+
+        The heads come from Arrow's JSON reader, in C++ that skips the token ids and releases the
+        GIL (so shards settle in parallel), several times faster than building the rows. A last
+        line without its newline (a kill cut it) is no row; from a line the reader cannot take
+        (none regen writes) on, each line is read as JSON and one that is not is passed over, as a
+        resume always did, through a block, and the reader goes on from there. Rows and heads go
+        through the same lines, so an index into one is an index into the other. Read as a stream:
+        memory does not grow with the journal."""
         if not path.exists():
             return
-        with open(path, "rb") as fh:
-            for raw in fh:
+        with open(path, "rb") as lines:
+            yield from Journal._read_heads(path, lines, partial, whole)
+
+    @staticmethod
+    def _read_heads(path: Path, lines, partial: bool | None, whole: bool) -> Iterator[dict]:
+        def wanted(head: dict) -> bool:
+            return partial is None or bool(head.get("partial")) is partial
+
+        def found(head: dict, line: bytes) -> dict:
+            if whole:
                 try:
-                    row = json.loads(raw)
-                except json.JSONDecodeError:
-                    continue
-                if partial is None or bool(row.get("partial")) is partial:
-                    yield row
+                    return json.loads(line)
+                except ValueError:
+                    raise ValueError(f"{path}: the line at byte {pos:,} is not JSON") from None
+            return {**head, "at": (pos, pos + len(line))}
+
+        pos, line = 0, b""
+        while True:
+            try:
+                with pa.OSFile(str(path)) as source:  # the reader's own handle (Arrow's: read in C++), from pos
+                    source.seek(pos)
+                    reader = pj.open_json(source, read_options=pj.ReadOptions(block_size=HEAD_BLOCK, use_threads=False),
+                                          parse_options=pj.ParseOptions(explicit_schema=HEAD_SCHEMA,
+                                                                        unexpected_field_behavior="ignore"))
+                    for batch in reader:
+                        for head in batch.to_pylist():
+                            line = lines.readline()
+                            if not line.startswith(b"{") or not line.endswith(b"\n"):
+                                raise _Misaligned  # a blank line the reader passed over, or the cut end
+                            if wanted(head):
+                                yield found(head, line)
+                            pos, line = pos + len(line), b""
+                return
+            except (pa.ArrowInvalid, _Misaligned):
+                pass
+            # Line by line through a block at least (past what the reader could not take), then
+            # the reader again from there.
+            stop = pos + HEAD_BLOCK
+            while pos < stop:
+                line = line or lines.readline()
+                if not line.endswith(b"\n"):
+                    return  # the end, or a last line a kill cut
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    row = None
+                if isinstance(row, dict) and wanted(row):
+                    yield row if whole else found({k: row.get(k) for k in HEAD_SCHEMA.names}, line)
+                pos, line = pos + len(line), b""
+
+    @staticmethod
+    def rows_at(path: Path, places: Iterable[tuple[int, int]]) -> Iterator[dict]:
+        """The rows at these byte ranges (:meth:`heads`' ``at``), in the order given."""
+        places = list(places)
+        if not places:
+            return
+        with open(path, "rb") as fh:
+            for start, stop in places:
+                fh.seek(start)
+                yield json.loads(fh.read(stop - start))
 
 
 # A publish batch's rows: their text and token ids as Python objects.
@@ -190,18 +266,18 @@ class ShardStore:
             if of_this_run(row, hashes, settings_hash):
                 settled.add(row["id"])
                 (failed.add if row["error"] is not None else failed.discard)(row["id"])
-        for row in Journal.rows(self.journal_path):
-            if not of_this_run(row, hashes, settings_hash) or row["id"] in sealed:
+        for head in Journal.heads(self.journal_path):
+            if not of_this_run(head, hashes, settings_hash) or head["id"] in sealed:
                 continue
-            failed.discard(row["id"])
-            settles = row.get("error") is None or not row.get("retryable", False)
-            self._journalled(row, settles)
+            failed.discard(head["id"])
+            settles = head["error"] is None or not head["retryable"]
+            self._journalled(head, settles)
             if settles:
-                settled.add(row["id"])
-                if row.get("error") is not None:
-                    failed.add(row["id"])
+                settled.add(head["id"])
+                if head["error"] is not None:
+                    failed.add(head["id"])
             else:
-                settled.discard(row["id"])
+                settled.discard(head["id"])
         return settled, file_ids, failed
 
     def _file_rows(self, columns: list[str] | None = None) -> Iterator[dict]:
@@ -215,21 +291,25 @@ class ShardStore:
         journal is durable)."""
         return iter(())
 
-    def _journalled(self, row: dict, settles: bool) -> None:
-        """A journal row of this run that no sealed row holds: a local shard keeps it there."""
+    def _journalled(self, head: dict, settles: bool) -> None:
+        """A journal row of this run (its head) that no sealed row holds: a local shard keeps it there."""
 
     def turns_done(self, hashes: dict[str, str], settings_hash: str) -> dict[str, list[dict]]:
         """Per conversation cut mid-way in an earlier attempt: the answers of its finished turns.
-        A conversation's turns are dropped once a row settles it, so memory holds only what the
-        unfinished ones need, however long the journal (turns carry their token ids)."""
-        rows: dict[str, list[dict]] = {}
-        for row in Journal.rows(self.journal_path, partial=None):
-            if not of_this_run(row, hashes, settings_hash):
+        Only where a turn's line is is kept while reading, and dropped once a row settles its
+        conversation; the turns of the unfinished ones are then read, so memory holds only what
+        they need, however long the journal (turns carry their token ids)."""
+        places: dict[str, list[tuple[int, int]]] = {}
+        for head in Journal.heads(self.journal_path, partial=None):
+            if not of_this_run(head, hashes, settings_hash):
                 continue
-            if row.get("partial"):
-                rows.setdefault(row["id"], []).append(row)
-            elif row.get("error") is None or not row.get("retryable", False):
-                rows.pop(row["id"], None)
+            if head["partial"]:
+                places.setdefault(head["id"], []).append(head["at"])
+            elif head["error"] is None or not head["retryable"]:
+                places.pop(head["id"], None)
+        rows: dict[str, list[dict]] = {}
+        for row in Journal.rows_at(self.journal_path, sorted(p for ps in places.values() for p in ps)):
+            rows.setdefault(row["id"], []).append(row)
         return {i: resumed_answers(r) for i, r in rows.items()}
 
     def complete(self, ids: list[str], settled: set[str], file_ids: set[str]) -> bool:
@@ -252,7 +332,8 @@ class ShardStore:
         (``columns`` narrows the stored ones, never their order)."""
         yield from self._file_rows(columns)
         yield from self._sealed_rows(columns)
-        yield from Journal.rows(self.journal_path)
+        narrow = columns is not None and set(columns) <= set(HEAD_SCHEMA.names)
+        yield from Journal.heads(self.journal_path) if narrow else Journal.rows(self.journal_path)
 
     def _chosen(self, hashes: dict[str, str], settings_hash: str) -> set[int]:
         """The index in :meth:`_rows` of each id's last row of this run; refused unless every one of
