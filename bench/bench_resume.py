@@ -17,7 +17,7 @@ skilled user writes: every line read with ``json.loads``, one process per shard 
 one per core.
 
     .venv/bin/python bench/bench_resume.py [--prompts 1000000] [--shards 64]
-        [--id-prompts 100000] [--id-shards 8] [--ids 2500]
+        [--id-prompts 100000] [--id-shards 8] [--ids 2500] [--parts index,journal]
 """
 
 from __future__ import annotations
@@ -185,7 +185,9 @@ def bench_ids(args, tmp: Path) -> None:
         f"prompts to send. regen at once takes {best[names[0]]:.1f} s, "
         f"{best[names[2]] / best[names[0]]:.2f}x faster than the baseline and "
         f"{best[names[1]] / best[names[0]]:.2f}x faster than one shard after another.")
-    write_section("Settling a resume: journals with token ids", ".venv/bin/python bench/bench_resume.py", body)
+    write_section("Settling a resume: journals with token ids",
+                  f".venv/bin/python bench/bench_resume.py --parts journal --id-prompts {args.id_prompts} "
+                  f"--id-shards {args.id_shards} --ids {args.ids}", body)
 
 
 def main() -> None:
@@ -195,7 +197,14 @@ def main() -> None:
     parser.add_argument("--id-prompts", type=int, default=100_000)
     parser.add_argument("--id-shards", type=int, default=8)
     parser.add_argument("--ids", type=int, default=2_500, help="token ids in each journaled row")
+    parser.add_argument("--parts", default="index,journal", help="the parts to run (each writes its own section)")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if "journal" in parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            bench_ids(args, Path(tmp))
+    if "index" not in parts:
+        return
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         make_prompts(tmp / "prompts.jsonl", args.prompts)
@@ -234,8 +243,6 @@ def main() -> None:
         f"counted (a run that resumes once pays it once); in a run the shards settle in parallel, so a "
         f"shard waits about the per-shard figure.")
     write_section("Settling a resume", ".venv/bin/python bench/bench_resume.py", body)
-    with tempfile.TemporaryDirectory() as tmp:
-        bench_ids(args, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -423,7 +423,9 @@ def test_a_resumed_shards_memory_follows_its_unfinished_conversations_not_its_jo
         journal.close()
         hashes = {f"c{c}": "h" for c in range(finished + 5)}
         tracemalloc.start()
-        resumed = store.turns_done(hashes, "s")
+        turns: dict = {}
+        store.settled_and_failed(hashes, "s", turns)
+        resumed = store.turns_at(turns)
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         return peak, resumed

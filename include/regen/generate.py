@@ -246,7 +246,8 @@ class ShardRun:
 
     def _settle_shard(self, store: ShardStore, doc: dict, all_turns: bool) -> _Shard:
         shard = _Shard(store, self.manifest.shard_prompts(store.shard), bad=self._report_bad(doc, store))
-        settled, file_ids, failed = store.settled_and_failed(shard.prompts.hashes, self.settings_hash)
+        turns: dict[str, list[tuple[int, int]]] = {}
+        settled, file_ids, failed = store.settled_and_failed(shard.prompts.hashes, self.settings_hash, turns)
         shard.settled = settled
         if store.complete(shard.prompts.ids, settled, file_ids):
             shard.up_to_date = True
@@ -258,7 +259,7 @@ class ShardRun:
         # An earlier attempt's failures stay failures: the error bound is the shard's, not the attempt's.
         shard.failed = len(failed)
         if all_turns:
-            shard.resumed = store.turns_done(shard.prompts.hashes, self.settings_hash)
+            shard.resumed = store.turns_at(turns)
         log.info("%s: %d prompts, %d already have a row, %d to send", store.name, shard.total,
                  shard.skipped, len(shard.pending))
         if shard.resumed:

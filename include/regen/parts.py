@@ -369,10 +369,13 @@ class BucketShardStore(ShardStore):
             for table in self.parts.committed_tables():
                 write(table)
 
-    def settled_and_failed(self, hashes: dict[str, str], settings_hash: str) -> tuple[set[str], set[str], set[str]]:
+    def settled_and_failed(self, hashes: dict[str, str], settings_hash: str,
+                           turns: dict[str, list[tuple[int, int]]] | None = None) -> tuple[set[str], set[str], set[str]]:
         def settle():
             self._unsealed.clear()
-            found = super(BucketShardStore, self).settled_and_failed(hashes, settings_hash)
+            if turns is not None:
+                turns.clear()  # a retried reading starts over
+            found = super(BucketShardStore, self).settled_and_failed(hashes, settings_hash, turns)
             # the heads the settle kept, as the rows they are (in the same order)
             rows = Journal.rows_at(self.journal_path, [head["at"] for head in self._unsealed.values()])
             self._unsealed.update(zip(list(self._unsealed), rows))

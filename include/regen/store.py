@@ -36,7 +36,7 @@ SETTLE_COLUMNS = ["id", "error", "prompt_hash", "settings_hash"]
 # What settling reads of a journal line (its head): what a row settles, and whether it is a turn.
 HEAD_SCHEMA = pa.schema([("id", pa.string()), ("prompt_hash", pa.string()), ("settings_hash", pa.string()),
                          ("error", pa.string()), ("retryable", pa.bool_()), ("partial", pa.bool_())])
-HEAD_BLOCK = 2 << 20  # Arrow's JSON reader's block (~50 MB parsed): a longer line is read as JSON itself
+HEAD_BLOCK = 1 << 20  # Arrow's JSON reader's block: ~30 MB each while parsed, one per core at most
 
 
 class _Misaligned(Exception):
@@ -127,7 +127,7 @@ class Journal:
             try:
                 with pa.OSFile(str(path)) as source:  # the reader's own handle (Arrow's: read in C++), from pos
                     source.seek(pos)
-                    reader = pj.open_json(source, read_options=pj.ReadOptions(block_size=HEAD_BLOCK, use_threads=False),
+                    reader = pj.open_json(source, read_options=pj.ReadOptions(block_size=HEAD_BLOCK),
                                           parse_options=pj.ParseOptions(explicit_schema=HEAD_SCHEMA,
                                                                         unexpected_field_behavior="ignore"))
                     for batch in reader:
@@ -245,14 +245,19 @@ class ShardStore:
         settled, file_ids, _ = self.settled_and_failed(hashes, settings_hash)
         return settled, file_ids
 
-    def settled_and_failed(self, hashes: dict[str, str], settings_hash: str) -> tuple[set[str], set[str], set[str]]:
+    def settled_and_failed(self, hashes: dict[str, str], settings_hash: str,
+                           turns: dict[str, list[tuple[int, int]]] | None = None) -> tuple[set[str], set[str], set[str]]:
         """(ids that need no new request, ids the shard file holds now, ids of those whose last
         row failed in a way no retry fixes). A row settles its id when it is this run's (the id's
         prompt hash, this settings hash) and good, or failed for good (a 4xx); rows of other
         prompts or settings settle nothing, so a rerun that changed them sends them again. The
         published file's rows come first, then what attempts since sealed (a bucket's parts), then
         the journal. The failures are an earlier attempt's, which count against the shard's error
-        bound on a retry. The one decision of what a shard holds, for a folder and a bucket."""
+        bound on a retry. The one decision of what a shard holds, for a folder and a bucket.
+
+        ``turns``: filled in the same reading with where the journal's finished turns of the
+        conversations still going are (for :meth:`turns_at`): a place per turn is all that is
+        kept, and a conversation's go once a row settles it."""
         settled: set[str] = set()
         file_ids: set[str] = set()
         for row in self._file_rows(SETTLE_COLUMNS):
@@ -266,11 +271,19 @@ class ShardStore:
             if of_this_run(row, hashes, settings_hash):
                 settled.add(row["id"])
                 (failed.add if row["error"] is not None else failed.discard)(row["id"])
-        for head in Journal.heads(self.journal_path):
-            if not of_this_run(head, hashes, settings_hash) or head["id"] in sealed:
+        for head in Journal.heads(self.journal_path, partial=None):
+            if not of_this_run(head, hashes, settings_hash):
+                continue
+            if head["partial"]:
+                if turns is not None:
+                    turns.setdefault(head["id"], []).append(head["at"])
+                continue
+            settles = head["error"] is None or not head["retryable"]
+            if settles and turns is not None:
+                turns.pop(head["id"], None)
+            if head["id"] in sealed:
                 continue
             failed.discard(head["id"])
-            settles = head["error"] is None or not head["retryable"]
             self._journalled(head, settles)
             if settles:
                 settled.add(head["id"])
@@ -294,21 +307,12 @@ class ShardStore:
     def _journalled(self, head: dict, settles: bool) -> None:
         """A journal row of this run (its head) that no sealed row holds: a local shard keeps it there."""
 
-    def turns_done(self, hashes: dict[str, str], settings_hash: str) -> dict[str, list[dict]]:
-        """Per conversation cut mid-way in an earlier attempt: the answers of its finished turns.
-        Only where a turn's line is is kept while reading, and dropped once a row settles its
-        conversation; the turns of the unfinished ones are then read, so memory holds only what
-        they need, however long the journal (turns carry their token ids)."""
-        places: dict[str, list[tuple[int, int]]] = {}
-        for head in Journal.heads(self.journal_path, partial=None):
-            if not of_this_run(head, hashes, settings_hash):
-                continue
-            if head["partial"]:
-                places.setdefault(head["id"], []).append(head["at"])
-            elif head["error"] is None or not head["retryable"]:
-                places.pop(head["id"], None)
+    def turns_at(self, turns: dict[str, list[tuple[int, int]]]) -> dict[str, list[dict]]:
+        """Per conversation cut mid-way in an earlier attempt: the answers of its finished turns,
+        read from where :meth:`settled_and_failed` found them (only the unfinished ones' turns, with
+        their token ids, are ever held, however long the journal)."""
         rows: dict[str, list[dict]] = {}
-        for row in Journal.rows_at(self.journal_path, sorted(p for ps in places.values() for p in ps)):
+        for row in Journal.rows_at(self.journal_path, sorted(p for places in turns.values() for p in places)):
             rows.setdefault(row["id"], []).append(row)
         return {i: resumed_answers(r) for i, r in rows.items()}
 
