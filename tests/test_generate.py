@@ -518,6 +518,32 @@ def test_the_audit_of_a_run_with_shards_still_to_come_says_it_is_partial(sim_ser
     assert "audit PASS: " in whole.stdout and "partial" not in whole.stdout
 
 
+def test_one_process_of_32_shards_reports_its_servers_once_and_ends_in_one_fold(sim_servers, tmp_path, monkeypatch):
+    """`regen generate` without --shard: 32 shards share one pool of servers. The run page counts
+    each request once (not once per shard part), and the attempt's end writes every part and
+    rebuilds progress.json once: a rebuild per shard reads every part (the square of the shards,
+    15-19 s after the last reply of a 64-server fleet)."""
+    from regen import progress
+
+    cfg, records = sim_servers(num_servers=1, sim_tokens_per_second=2000)
+    reads = []
+    real = progress.read_json
+    monkeypatch.setattr(progress, "read_json", lambda path, *a, **k: reads.append(path) or real(path, *a, **k))
+    out = tmp_path / "ds"
+    values = dict(prompts=str(subset(tmp_path, 64)), output=str(out), num_shards=32, max_tokens=1024)
+    run = ShardRun(RunConfig.from_mapping(values), endpoints(records), list(range(32)), None, FAST)
+    ended = []
+    run.progress.write_shards = lambda parts, write=run.progress.write_shards: (
+        ended.append(len(reads)) if all(p["state"] == "done" for p in parts.values()) else None, write(parts))
+    result = run.run()
+    assert sum(s.done for s in result.shards) == 64
+    folded = json.loads((out / "progress.json").read_text())
+    assert folded["done"] == 64 and {s["state"] for s in folded["shards"].values()} == {"done"}
+    sent = sim_requests_total(records[0].url)  # the server's own count (multi-turn rows: a request a turn)
+    assert sent >= 64 and sum(s["done"] for s in folded["servers"].values()) == sent  # once, not 32 times
+    assert len(reads) - ended[-1] <= 32 + 1, f"{len(reads) - ended[-1]} part reads at the end"
+
+
 def test_a_shard_whose_rows_are_all_in_is_published_while_the_others_still_generate(sim_servers, tmp_path):
     """One process with two shards: the first to have all its rows is published while the other
     still generates (each later row waits here, its event loop held, until that file is in data/:

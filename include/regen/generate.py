@@ -132,6 +132,8 @@ class ShardRun:
         self.model_identity = model_identity
         self.started = time.monotonic()
         self.started_wall = time.time()
+        # Its shards' parts share one pool of servers: progress counts the servers once per attempt.
+        self.attempt = f"{self.cfg.this_node().name}:{os.getpid()}:{self.started_wall:.3f}"
         self.gen: Generator | None = None
         self.eps: list = []
         self.last_reply: float | None = None  # monotonic: when the attempt's last row came in
@@ -277,9 +279,7 @@ class ShardRun:
                 self.settings_hash = settings_hash(identity, self.cfg.sampling_settings())
                 self.manifest.update(settings_hash=self.settings_hash, model_identity=identity)
                 work = self._settle(doc)
-                for shard in self.shards.values():
-                    if shard.up_to_date:
-                        self._report_shard(shard, "done")
+                self._report("done", shards=[s for s in self.shards.values() if s.up_to_date])
                 if not work:
                     return self._result()
                 for shard in work:
@@ -329,10 +329,8 @@ class ShardRun:
             log.info("%s: published %.1f s after the last reply", self.name, time.monotonic() - self.last_reply)
         result = self._result()
         elapsed = time.monotonic() - self.started
-        for shard in work:
-            data = self._report_shard(shard, "done")
-            data.update(tokens_per_s=round(shard.tokens / elapsed, 1) if elapsed > 0 else 0.0, eta_s=0)
-            self.progress.write_shard(shard.store.shard, data)
+        self._report("done", shards=work, tokens_per_s={
+            s.store.shard: round(s.tokens / elapsed, 1) if elapsed > 0 else 0.0 for s in work})
         return result
 
     def _result(self) -> GenerateResult:
@@ -390,14 +388,14 @@ class ShardRun:
                 f"{shard.store.journal_path}; finished rows are kept"
             )
 
-    def _report_shard(self, shard: _Shard, state: str, reason: str | None = None, write: bool = True) -> dict:
+    def _report_shard(self, shard: _Shard, state: str, reason: str | None = None) -> dict:
         rows_s, tok_s = self.gen.rates() if self.gen else (0.0, 0.0)
         share = (len(shard.pending) / max(sum(len(s.pending) for s in self.shards.values()), 1))
         left = len(shard.pending) - shard.done - shard.failed
         rows_s, tok_s = rows_s * share, tok_s * share  # the attempt's rates, by each shard's part
-        data = {
+        return {
             "state": state, "shard": shard.store.shard, "num_shards": self.cfg.num_shards,
-            "node": self.cfg.this_node().name,
+            "node": self.cfg.this_node().name, "attempt": self.attempt,
             "total": shard.total, "done": shard.skipped + shard.done, "failed": shard.failed,
             "sent": shard.done + shard.failed, "tokens": shard.tokens,
             "started_at": round(self.started_wall, 2),
@@ -407,14 +405,22 @@ class ShardRun:
             "servers": {e.url: e.report() for e in self.eps},
             "last_error": shard.last_error, "reason": reason,
         }
-        if write:
-            self.progress.write_shard(shard.store.shard, data)
-        return data
 
-    def _report(self, state: str = "running", reason: str | None = None) -> dict:
-        """Each shard's part of progress.json; the first one's document (the log line's)."""
-        docs = [self._report_shard(s, state, reason) for s in self.shards.values() if not s.up_to_date]
-        return docs[0] if docs else {}
+    def _report(self, state: str = "running", reason: str | None = None, shards: list[_Shard] | None = None,
+                tokens_per_s: dict[int, float] | None = None) -> dict:
+        """The parts of progress.json of ``shards`` (default: those with work), written and folded
+        once (a fold per shard reads every part: the square of the shards, seconds at 64); the
+        first one's document (the log line's). ``tokens_per_s``: a finished shard's, over the attempt."""
+        parts = {}
+        for shard in self.shards.values() if shards is None else shards:
+            if shards is None and shard.up_to_date:
+                continue
+            data = parts[shard.store.shard] = self._report_shard(shard, state, reason)
+            if tokens_per_s is not None:
+                data.update(tokens_per_s=tokens_per_s[shard.store.shard], eta_s=0)
+        if parts:
+            self.progress.write_shards(parts)
+        return next(iter(parts.values()), {})
 
     def _keep_pace(self, deadline: asyncio.Timeout, done: int, left: int) -> None:
         """Move the deadline out to SHARD_DEADLINE_FACTOR times what the rest takes at this
@@ -437,7 +443,7 @@ class ShardRun:
             await asyncio.sleep(self.tuning.progress_interval_s)
             await asyncio.gather(*(scrape_metrics(e) for e in self.eps))
             # built on the loop (it reads what the loop changes), written off it (files, folding)
-            parts = {s.store.shard: self._report_shard(s, "running", write=False)
+            parts = {s.store.shard: self._report_shard(s, "running")
                      for s in self.shards.values() if not s.up_to_date}
             await asyncio.to_thread(self.progress.write_shards, parts)
             check_overdue(self.layout)

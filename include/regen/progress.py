@@ -52,7 +52,10 @@ class RunProgress:
         """Several shards' parts at once (one process's report), folded once."""
         for shard, data in parts.items():
             self._write(shard_key(shard), data, fold=False)
-        self._fold_due(any(d.get("state") != "running" for d in parts.values()))
+        try:
+            self._fold_due(any(d.get("state") != "running" for d in parts.values()))
+        except OSError as exc:  # best effort, as each part's write
+            log.warning("progress not written (%s): %s", self.path, exc.strerror or exc)
 
     def _write(self, name: str, data: dict, fold: bool = True) -> None:
         """Best effort: progress informs, it must never be what fails (or masks) the work. No fsync
@@ -95,7 +98,7 @@ class RunProgress:
         rps = sum(s.get("rows_per_s", 0.0) for s in running)
         remaining = total - done - failed
         servers: dict[str, dict] = {}
-        for s in shards.values():
+        for s in _one_part_per_attempt(shards.values()):
             live = s.get("state") == "running"
             for url, srv in (s.get("servers") or {}).items():
                 agg = servers.setdefault(url, {"done": 0, "failed": 0, "in_flight": 0, "healthy": True})
@@ -127,6 +130,20 @@ class RunProgress:
             fh.write(json.dumps({"t": round(time.time(), 1), **point}) + "\n")
         if path.stat().st_size > HISTORY_POINTS * HISTORY_LINE_BYTES:
             thin_history(path)
+
+
+def _one_part_per_attempt(parts) -> list[dict]:
+    """The shard parts whose servers count: an attempt that runs several shards (one process, one
+    pool of servers) reports the same servers in each of its parts, so only its newest counts."""
+    newest: dict[str, dict] = {}
+    alone = []
+    for part in parts:
+        attempt = part.get("attempt")
+        if attempt is None:
+            alone.append(part)
+        elif attempt not in newest or part.get("updated", 0) > newest[attempt].get("updated", 0):
+            newest[attempt] = part
+    return alone + list(newest.values())
 
 
 def thin_history(path: Path) -> None:
