@@ -100,6 +100,7 @@ def test_stage_serve_health_logs_and_teardown_run_on_the_node(node, tmp_path):
 VOLATILE = {"seconds", "elapsed_s", "updated", "tokens_per_s", "rows_per_s", "eta_s", "pid",
             "latency_s", "text", "tokens_per_sample", "summary", "history", "alone_tokens_per_s",
             "batch_slowdown", "limit", "started_at",  # limit: the budget slots a shard held at its last report
+            "attempt",  # which process made a shard's part (node, pid, start)
             "launch"}  # a row maker's hash of its server's launch arguments, which hold this run's own paths
 
 
