@@ -98,7 +98,7 @@ class Journal:
         where the line is (``at``: its byte range, for :meth:`rows_at`), or with ``whole`` the row.
 
         The heads come from Arrow's JSON reader, in C++ that skips the token ids and releases the
-        GIL (so shards settle in parallel): 1.7x faster than building the rows on one core, 3-4x
+        GIL (so shards settle in parallel): 1.7x faster than building the rows on one core, more
         with its threads (measured on a journal of engine token ids). A last
         line without its newline (a kill cut it) is no row; from a line the reader cannot take
         (none regen writes) on, each line is read as JSON and one that is not is passed over, as a
