@@ -235,8 +235,8 @@ class ShardRun:
         all_turns = self.cfg.generation.regenerate_turns == "all"
         at_once = min(len(self.stores), os.cpu_count() or 1, SETTLE_THREADS)
         with ThreadPoolExecutor(at_once, thread_name_prefix="settle") as threads:
-            settled = list(threads.map(lambda store: self._settle_shard(store, doc, all_turns), self.stores))
-        for shard in settled:
+            shards = list(threads.map(lambda store: self._settle_shard(store, doc, all_turns), self.stores))
+        for shard in shards:
             self.shards[shard.store.shard] = shard
             for prompt_id in shard.pending:
                 self.shard_of[prompt_id] = shard
