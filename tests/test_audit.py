@@ -220,6 +220,24 @@ def test_worker_processes_give_the_same_report_as_one_process(tmp_path, tiny_mod
     assert [list(f) for f in a["findings"]] == [list(f) for f in b["findings"]]
 
 
+def test_a_template_that_builds_a_huge_string_fails_the_audit_in_its_worker_processes(tmp_path, tiny_model):
+    """The audit's workers render under the same memory bound as the canary (regen.chat.render),
+    at its default allowance: the worker names the template and the audit raises it, as itself."""
+    import shutil
+
+    from regen.chat.render import TemplateTooLarge
+    from support.data import DOUBLING_ON_LONG_ANSWERS
+
+    model = tmp_path / "large-template-model"
+    shutil.copytree(tiny_model, model)
+    template = model / "chat_template.jinja"
+    template.write_text(DOUBLING_ON_LONG_ANSWERS + template.read_text())
+    data = write_dataset(tmp_path / "data", [row(i, content="An answer longer than forty characters, " * 2)
+                                             for i in range(40)], files=2)
+    with pytest.raises(TemplateTooLarge, match="needed more than 1,024 MB of memory to render one conversation"):
+        audit_dataset(data, model, tmp_path / "report", AuditThresholds(16, 0.01), batch_size=8, workers=2)
+
+
 MAIN_THAT_REFUSES_REIMPORT = '''
 import os, sys
 if __name__ != "__main__":  # as the airflow command in a task: importing it again dies

@@ -253,3 +253,28 @@ def test_a_template_that_loops_only_on_long_answers_fails_the_canary_at_its_boun
     render.load_tokenizer.cache_clear()
     with pytest.raises(TemplateTooSlow, match="more than 2 s to render one conversation"):
         canary(cfg.model_copy(update={"model_path": str(model)}))
+
+
+def test_a_template_that_builds_a_huge_string_on_long_answers_fails_the_canary_at_its_memory_bound(
+        sim_servers, tmp_path, monkeypatch):
+    """As the slow template above, for memory: the render is held to its allowance of address space
+    and the canary fails naming the template, instead of the node's memory going to a string; the
+    process's limit is given back afterwards."""
+    import resource
+    import shutil
+
+    from regen.chat import render
+    from regen.chat.render import TemplateTooLarge
+    from support.data import DOUBLING_ON_LONG_ANSWERS, write_prompts
+
+    model = tmp_path / "large-template-model"
+    monkeypatch.setattr(render, "RENDER_MEMORY_BYTES", 256 << 20)
+    cfg, _ = sim_servers(num_servers=1, prompts=str(write_prompts(tmp_path / "p.jsonl", 4)))
+    shutil.copytree(cfg.model_path, model)
+    template = model / "chat_template.jinja"
+    template.write_text(DOUBLING_ON_LONG_ANSWERS + template.read_text())
+    render.load_tokenizer.cache_clear()
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    with pytest.raises(TemplateTooLarge, match="needed more than 256 MB of memory to render one conversation"):
+        canary(cfg.model_copy(update={"model_path": str(model)}))
+    assert resource.getrlimit(resource.RLIMIT_AS) == before

@@ -15,6 +15,11 @@ from support.processes import wait_until
 QUESTION = [{"role": "user", "content": "Reply with OK."}]
 DEMO = [json.loads(line) for line in (ROOT / "demo" / "prompts.jsonl").read_text().splitlines()]
 ORIGINAL = "THE DATASET'S OLD ANSWER"
+# A chat template that doubles a string 31 times when an assistant answer is longer than 40
+# characters: preflight's samples pass; real answers would make it build 2 GiB (3 GiB touched).
+DOUBLING_ON_LONG_ANSWERS = ("{%- for message in messages if message.role == 'assistant' and message.content | length > 40 %}"
+                            "{%- set ns = namespace(s='x') %}{%- for i in range(31) %}{%- set ns.s = ns.s ~ ns.s %}"
+                            "{%- endfor %}{%- endfor %}")
 
 
 def turn_requests(path: Path, ids=None) -> dict[str, int]:

@@ -4,6 +4,7 @@ template (a local directory only), and the template problems that would make a l
 from __future__ import annotations
 
 import contextlib
+import resource
 import signal
 import threading
 import time
@@ -19,10 +20,21 @@ from regen.errors import RegenError
 # its input. Under a lease's staleness (regen.coordination.leases.STALE_AFTER_S): a stage stuck in
 # a render fails before its servers are taken for idle.
 RENDER_SECONDS = 20.0
+# What one render may add to the process's address space. A real template's render of the longest
+# agentic conversation is megabytes; a template that builds a string by doubling it reaches this
+# within a second, long before the node's memory (the audit's workers, the canary and a shard
+# render in processes that also hold a run's work).
+RENDER_MEMORY_BYTES = 1 << 30
 
 
 class TemplateTooSlow(RegenError):
     """The chat template did not finish rendering within its bound: it loops on some input."""
+
+
+class TemplateTooLarge(RegenError, MemoryError):
+    """The chat template needed more memory than its bound to render one conversation. A
+    MemoryError too, so that code which treats a bounded child's MemoryError as the budget's
+    (regen.childpool.call_bounded, preflight) treats this one alike."""
 
 
 @contextlib.contextmanager
@@ -56,8 +68,54 @@ def render_bound(seconds: float | None = None):
             signal.setitimer(signal.ITIMER_REAL, max(0.001, outer_left - (time.monotonic() - started)), outer_interval)
 
 
+_address_space_lock = threading.Lock()
+_address_space_holders = 0
+_address_space_restore: tuple[int, int] | None = None
+
+
+def _address_space() -> int:
+    with open("/proc/self/statm", "rb") as fh:
+        return int(fh.read().split()[0]) * resource.getpagesize()
+
+
+@contextlib.contextmanager
+def memory_bound(extra_bytes: int | None = None):
+    """TemplateTooLarge when the block needs more than ``extra_bytes`` of address space beyond what
+    the process holds as it starts. RLIMIT_AS is the process's, so this holds on any thread: the
+    soft limit is lowered while any thread renders and given back when the last one ends; a lower
+    limit already set (preflight's bounded child) is kept. Where /proc is missing, no bound."""
+    global _address_space_holders, _address_space_restore
+    extra_bytes = RENDER_MEMORY_BYTES if extra_bytes is None else extra_bytes
+    with _address_space_lock:
+        if _address_space_holders == 0:
+            soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+            try:
+                limit = _address_space() + extra_bytes
+            except OSError:
+                limit = None
+            if limit is not None and (soft == resource.RLIM_INFINITY or limit < soft) and \
+                    (hard == resource.RLIM_INFINITY or limit <= hard):
+                resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+                _address_space_restore = (soft, hard)
+        _address_space_holders += 1
+    try:
+        yield
+    except MemoryError as exc:
+        if isinstance(exc, TemplateTooLarge):
+            raise
+        raise TemplateTooLarge(f"the chat template needed more than {extra_bytes >> 20:,} MB of memory to render "
+                               f"one conversation: it builds an unbounded string on some input (preflight's "
+                               f"samples passed); fix the template") from None
+    finally:
+        with _address_space_lock:
+            _address_space_holders -= 1
+            if _address_space_holders == 0 and _address_space_restore is not None:
+                resource.setrlimit(resource.RLIMIT_AS, _address_space_restore)
+                _address_space_restore = None
+
+
 def _apply(tokenizer, conversation, **kwargs) -> Any:
-    with render_bound():
+    with render_bound(), memory_bound():
         return tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
 
 
