@@ -4,8 +4,10 @@ All send the same prompts to the same two simulated servers (answers at once), 3
 flight per server, and write every row to disk: regen through its journal and Parquet shard, the
 baselines to a JSONL file: ``AsyncOpenAI`` + a semaphore, as hand scripts do, and the leanest
 client a skilled user writes (one ``aiohttp`` session, a connection pool of the in-flight budget,
-the JSON body posted as is). The servers run in their own processes; what is measured is the
-client process: wall time and CPU seconds.
+the JSON body posted as is). Every client runs in a process of its own, regen as README runs it
+(``regen generate --endpoints``), the peers as this file's ``--client NAME``; what is measured is
+that process from its start to its exit, imports included: wall time and CPU seconds. The servers
+run in processes of their own.
 
     .venv/bin/python bench/bench_client.py [--requests 3000] [--rounds 2]
 """
@@ -15,14 +17,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-from harness import alternating, make_prompts, measure, simulated_servers, workspace, write_section
+from harness import alternating, make_prompts, simulated_servers, workspace, write_section
 
 from regen.config import RunConfig
-from regen.generate import ShardRun
-from regen.prompts import Prompt
+from regen.prompts import Prompt, read_prompts
 
 CONCURRENCY_PER_SERVER = 32
 MAX_TOKENS = 1024
@@ -31,10 +35,25 @@ MAX_TOKENS = 1024
 TOKENS = {"separate_reasoning": True, "return_prompt_token_ids": True, "return_token_ids": True}
 
 
-def run_regen(prompts_path: Path, out: Path, urls: list[str]) -> None:
-    cfg = RunConfig(prompts=str(prompts_path), output=str(out), num_shards=1, max_tokens=MAX_TOKENS,
-                    concurrency_per_server=CONCURRENCY_PER_SERVER)
-    ShardRun(cfg, [(u, None) for u in urls], 0, None).run()
+def client_process(name: str, prompts_path: Path, out: Path, urls: list[str]) -> list[str]:
+    """The command that runs one client: regen's CLI as README gives it, a peer as this file."""
+    if name == "regen":
+        return [str(Path(sys.executable).parent / "regen"), "--no-progress-bar", "generate", "--prompts",
+                str(prompts_path), "--output", str(out), "--endpoints", ",".join(urls), "--max-tokens",
+                str(MAX_TOKENS), "--concurrency-per-server", str(CONCURRENCY_PER_SERVER)]
+    return [sys.executable, __file__, "--client", name, "--prompts-file", str(prompts_path), "--out", str(out),
+            "--urls", ",".join(urls)]
+
+
+def measure_process(argv: list[str]) -> tuple[float, float]:
+    """Wall and CPU seconds of the process ``argv`` (and what it waited for), start to exit."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    wall = time.perf_counter()
+    done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wall = time.perf_counter() - wall
+    assert done.returncode == 0, done.stderr[-3000:]
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def run_baseline(prompts: list[Prompt], out: Path, urls: list[str]) -> None:
@@ -125,21 +144,31 @@ def long_rows(count: int, words: int) -> list[dict]:
              "server": "s"} for i in range(count)]
 
 
+PEERS = {"aiohttp, minimal": run_aiohttp, "AsyncOpenAI + semaphore": run_baseline}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--client", choices=list(PEERS), help="run one peer (in the process the bench starts)")
+    parser.add_argument("--prompts-file", type=Path)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--urls")
     args = parser.parse_args()
+    if args.client:
+        PEERS[args.client]([p for p in read_prompts(args.prompts_file) if isinstance(p, Prompt)], args.out,
+                           args.urls.split(","))
+        return
     with workspace() as (tmp, model):
         prompts_path = tmp / "prompts.jsonl"
         prompts = make_prompts(prompts_path, args.requests)
         with simulated_servers(model, [["--max-running-requests", "256"]] * 2) as urls:
-            runs = {"regen": lambda r: run_regen(prompts_path, tmp / f"regen-{r}", urls),
-                    "aiohttp, minimal": lambda r: run_aiohttp(prompts, tmp / f"aiohttp-{r}.jsonl", urls),
-                    "AsyncOpenAI + semaphore": lambda r: run_baseline(prompts, tmp / f"base-{r}.jsonl", urls)}
-            best = {name: (1e9, 1e9) for name in runs}
-            for r, name in alternating(list(runs), args.rounds):
-                best[name] = min(best[name], measure(lambda: runs[name](r)))
+            names = ["regen", *PEERS]
+            best = {name: (1e9, 1e9) for name in names}
+            for r, name in alternating(names, args.rounds):
+                out = tmp / f"{name.split(',')[0].split(' ')[0]}-{r}"
+                best[name] = min(best[name], measure_process(client_process(name, prompts_path, out, urls)))
         hashing = min(hashing_cpu(prompts, RunConfig(prompts=str(prompts_path))) for _ in range(3))
         import pandas as pd
 
@@ -153,7 +182,8 @@ def main() -> None:
     lean = best["aiohttp, minimal"]
     body = "\n".join(rows) + (
         f"\n\n{args.requests:,} requests, 2 simulated servers answering at once, "
-        f"{CONCURRENCY_PER_SERVER} in flight per server, best of {args.rounds} rounds, order alternated. regen "
+        f"{CONCURRENCY_PER_SERVER} in flight per server, best of {args.rounds} rounds, order alternated; each client a "
+        f"process of its own, timed from its start to its exit (imports included). regen "
         f"(journal, retries, least-outstanding dispatch, Parquet shard) is {lean[0] / best['regen'][0]:.2f}x the "
         f"throughput of the leanest client (aiohttp) at {best['regen'][1] / lean[1]:.2f}x its CPU per request, and "
         f"{best['AsyncOpenAI + semaphore'][0] / best['regen'][0]:.2f}x AsyncOpenAI's at "

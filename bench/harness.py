@@ -73,13 +73,6 @@ def alternating(modes: Sequence[str], rounds: int) -> Iterator[tuple[int, str]]:
             yield r, mode
 
 
-def measure(fn) -> tuple[float, float]:
-    """Wall and CPU seconds of ``fn()`` in this process."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
-
-
 def make_prompts(path: Path, count: int) -> list[Prompt]:
     """``count`` prompts cycling through the demo's, ids b0..; written to ``path`` and returned."""
     base = [p for p in read_prompts(DEMO_PROMPTS) if isinstance(p, Prompt)]

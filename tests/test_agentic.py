@@ -327,3 +327,45 @@ def test_a_run_against_endpoints_sends_history_reasoning_as_the_served_models_te
     assert not any(m.get("reasoning_content") for m in steps)
     rows = pd.read_parquet(tmp_path / "ds" / "data")
     assert rows["error"].isna().all() and rows["history_reasoning"].isna().all()
+
+
+def test_first_steps_go_out_while_the_template_decides_what_later_steps_send(sim_servers, tmp_path, tiny_model,
+                                                                            monkeypatch):
+    """Deciding what a later step sends renders the served template with transformers (seconds,
+    in every shard process). A first step carries no earlier one, so the run's first requests go
+    out while it is decided; the rows record the decision, and the manifest keeps it by the
+    template's text, so that a staged copy's shards (and the next process) render nothing."""
+    import shutil
+    import threading
+
+    from regen import client, generate as stage
+    from regen.chat.render import template_digest
+    from regen.manifest import Manifest
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"loop{i}", "tools": TOOLS,
+                                                  "messages": agentic_messages(f"Loop {i}", [["get_weather"], ["get_time"]])}
+                                                 for i in range(3)])
+    cfg, records = sim_servers(model_path=str(tiny_model), prompts=str(prompts), num_servers=1,
+                               tool_call_parser="qwen25", sim_follow_recorded=True)
+    sent = threading.Event()
+    payload, probed = client.Generator.payload, stage.reasoning_probed
+
+    def sending(self, endpoint, request):
+        sent.set()
+        return payload(self, endpoint, request)
+
+    def after_a_request_went_out(model, enable_thinking, manifest=None):
+        assert sent.wait(60), "no request went out while the template was being decided"
+        return probed(model, enable_thinking, manifest)
+
+    monkeypatch.setattr(client.Generator, "payload", sending)
+    monkeypatch.setattr(stage, "reasoning_probed", after_a_request_went_out)
+    result = stage.generate(cfg, [0], endpoints=[records[0].url])
+    assert result.failed == 0
+    rows = pd.read_parquet(cfg.layout.data)
+    assert rows["error"].isna().all() and set(rows["history_reasoning"]) == {"tool_steps"}
+    record = Manifest(cfg.layout).read()["history_reasoning"]
+    assert record["template"] == template_digest(tiny_model) and record["tool_steps"] and not record["chat_turns"]
+    staged = tmp_path / "dev-shm-copy"
+    shutil.copytree(tiny_model, staged)
+    assert stage.reasoning_recorded(cfg, Manifest(cfg.layout).read(), [str(staged)]) == (False, True)

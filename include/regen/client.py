@@ -66,13 +66,17 @@ class Generator:
 
     def __init__(self, pool: ServerPool, cfg: RunConfig, tuning: ClientTuning,
                  sink: Callable[[dict], None], turn_sink: Callable[[dict], None] | None = None,
-                 send_reasoning: tuple[bool, bool] = (False, False), guard: "QualityGuard | None" = None):
+                 send_reasoning: "tuple[bool, bool] | asyncio.Future" = (False, False),
+                 guard: "QualityGuard | None" = None):
         """``send_reasoning``: where an earlier step's reasoning goes back in the request (chat
-        turns, agent-loop steps; regen.generate.reasoning_sent). ``guard``: judges every answer
-        as it comes back (regen.quality), drains a server gone bad, stops a run gone bad."""
+        turns, agent-loop steps; regen.generate.reasoning_sent), or a future of it: a first
+        step's request carries no earlier step, so it goes out before the answer is known; its
+        row and any later step wait for it. ``guard``: judges every answer as it comes back
+        (regen.quality), drains a server gone bad, stops a run gone bad."""
         self.pool = pool
         self.guard = guard
-        self.send_reasoning = send_reasoning
+        self._deciding = None if isinstance(send_reasoning, tuple) else send_reasoning
+        self.send_reasoning = send_reasoning if self._deciding is None else (False, False)
         self.cfg = cfg
         self.tuning = tuning
         self.sink = sink
@@ -82,6 +86,13 @@ class Generator:
         self.tokens = 0
         self.recent: deque[tuple[float, int]] = deque()
         self.sampling = cfg.sampling_settings()
+
+    async def decided(self) -> tuple[bool, bool]:
+        """send_reasoning, once known."""
+        if self._deciding is not None:
+            self.send_reasoning = await self._deciding
+            self._deciding = None
+        return self.send_reasoning
 
     def payload(self, endpoint: Endpoint, request: Request) -> dict[str, Any]:
         return chat_request(endpoint.model or "default", request.messages, self.sampling,
@@ -109,6 +120,7 @@ class Generator:
                 last_error = f"{type(exc).__name__}: {exc or 'transport error'}"
                 self.pool.record_failure(endpoint, last_error)
             else:
+                await self.decided()  # the row records it
                 if status == 200:
                     try:
                         row = self.parse(request, endpoint, msgspec.json.decode(body), attempt, started)
@@ -138,6 +150,7 @@ class Generator:
                 cap = min(self.tuning.retry_backoff_max_s, self.tuning.retry_backoff_s * 2 ** (attempt - 1))
                 await asyncio.sleep(random.uniform(0, cap))
         endpoint.failed += 1
+        await self.decided()
         return self.error_row(request, endpoint, last_error, attempt, started, retryable=retry)
 
     def _judged(self, row: dict, endpoint: Endpoint) -> str | None:
@@ -189,6 +202,8 @@ class Generator:
 
     async def _converse(self, conversation: Conversation, affinity: list[str], shared: set[str]) -> dict:
         while True:
+            if conversation.answers:  # a later step: its history may carry reasoning
+                await self.decided()
             row = await self.run_one(Request(conversation.id, conversation.request_messages(self.send_reasoning), conversation.stamp,
                                              conversation.tools, affinity, shared))
             last = row["error"] is not None or conversation.turns_left == 1

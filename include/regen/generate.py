@@ -290,8 +290,11 @@ class ShardRun:
                 self.guard = QualityGuard(self.layout, self.cfg.audit.max_degenerate_fraction,
                                           self.cfg.audit.max_loop_fraction, self.cfg.enable_thinking, self.run_id)
                 self._drain_marked()
-                self.gen = Generator(pool, self.cfg, self.tuning, self._sink, self._append,
-                                     reasoning_sent(self.cfg, doc, [e.served_path for e in eps]), self.guard)
+                sent = reasoning_recorded(self.cfg, doc, [e.served_path for e in eps])
+                if not isinstance(sent, tuple):  # decided beside the first requests, which never need it
+                    sent = asyncio.ensure_future(asyncio.to_thread(reasoning_probed, sent, self.cfg.enable_thinking,
+                                                                   self.manifest))
+                self.gen = Generator(pool, self.cfg, self.tuning, self._sink, self._append, sent, self.guard)
                 self._report()
                 deadline = asyncio.timeout(self._time_left())
                 reporter = asyncio.create_task(self._reporter(deadline))
@@ -533,11 +536,20 @@ def shard_deadline_s(canary_estimate: dict | None) -> float | None:
 
 def reasoning_sent(cfg: RunConfig, manifest: dict, served: list[str | None] | None = None) -> tuple[bool, bool]:
     """(chat turns, agent-loop steps): where an earlier step's reasoning goes back in the request,
-    as the *served* model's template renders it: preflight's finding for the run's model, else
-    found here from the folder the servers say they serve (``served``: their model paths) when it
-    is here. Servers whose model is not here (named by URL only): sent at both, the served
-    template renders what it renders; never the template of a model the servers do not serve."""
-    from regen.chat.render import history_reasoning_rendered, load_tokenizer
+    as the *served* model's template renders it (see reasoning_recorded; what no record says is
+    found here, with the model's tokenizer)."""
+    known = reasoning_recorded(cfg, manifest, served)
+    return known if isinstance(known, tuple) else reasoning_probed(known, cfg.enable_thinking)
+
+
+def reasoning_recorded(cfg: RunConfig, manifest: dict, served: list[str | None] | None = None) -> tuple[bool, bool] | str:
+    """Where an earlier step's reasoning goes back, when no template need be rendered to tell:
+    never asked for; servers whose model is not here (named by URL only): sent at both, the
+    served template renders what it renders; a finding in the manifest for a template of the
+    same text (preflight's for the run's model, which a staged copy of it shares, or an earlier
+    process's). Else the model folder whose template decides: the folder the servers say they
+    serve (``served``: their model paths), else the run's ``model_path``; never a default."""
+    from regen.chat.render import template_digest
 
     if cfg.generation.history_reasoning == "never" or cfg.generation.regenerate_turns == "last":
         return False, False
@@ -546,12 +558,30 @@ def reasoning_sent(cfg: RunConfig, manifest: dict, served: list[str | None] | No
     if model is None or not (Path(model) / "tokenizer_config.json").is_file():
         return True, True
     probe = manifest.get("history_reasoning") or {}
-    if probe.get("model_path") != model or probe.get("enable_thinking") != cfg.enable_thinking:
+    same = probe.get("model_path") == model or (probe.get("template") is not None
+                                                 and probe.get("template") == template_digest(model))
+    if same and probe.get("enable_thinking") == cfg.enable_thinking:
+        return bool(probe.get("chat_turns")), bool(probe.get("tool_steps"))
+    return model
+
+
+def reasoning_probed(model: str, enable_thinking: bool, manifest: "Manifest | None" = None) -> tuple[bool, bool]:
+    """reasoning_recorded's answer for ``model``, by rendering its template (transformers and a
+    tokenizer: seconds); kept in ``manifest`` for the next process. A template that fails
+    (preflight's to report): sent at both."""
+    from regen.chat.render import history_reasoning_rendered, load_tokenizer, template_digest
+
+    try:
+        probe = history_reasoning_rendered(load_tokenizer(model), enable_thinking)
+    except Exception:
+        return True, True
+    if manifest is not None:
         try:
-            probe = history_reasoning_rendered(load_tokenizer(model), cfg.enable_thinking)
-        except Exception:  # a template that fails (preflight's to report)
-            return True, True
-    return bool(probe.get("chat_turns")), bool(probe.get("tool_steps"))
+            manifest.update(history_reasoning={"model_path": model, "enable_thinking": enable_thinking,
+                                               "template": template_digest(model), **probe})
+        except OSError:  # a record for the next process only
+            pass
+    return probe["chat_turns"], probe["tool_steps"]
 
 
 def shards_to_run(cfg: RunConfig) -> list[int]:

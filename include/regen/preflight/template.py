@@ -19,7 +19,8 @@ def tokenizer_checks(model: str, thresholds, enable_thinking: bool, longest: tup
     """preflight's checks that run the model's tokenizer and chat template: (problems, info);
     run through regen.childpool.call_bounded."""
     from regen.audit.dataset import resolved
-    from regen.chat.render import history_reasoning_rendered, load_tokenizer, render_generation_prompt, template_problems
+    from regen.chat.render import (history_reasoning_rendered, load_tokenizer, render_generation_prompt,
+                                   template_digest, template_problems)
     from regen.chat.templates import DEFAULT_TRAIN_TEMPLATE, TRAIN_TEMPLATES
     from regen.errors import DataError
 
@@ -49,6 +50,7 @@ def tokenizer_checks(model: str, thresholds, enable_thinking: bool, longest: tup
         problems.append(f"model_path {model}: {problem}")
     try:
         info["history_reasoning"] = {"model_path": model, "enable_thinking": enable_thinking,
+                                     "template": template_digest(model),
                                      **history_reasoning_rendered(tokenizer, enable_thinking)}
     except Exception:  # template errors are reported above
         pass
