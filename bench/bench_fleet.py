@@ -16,8 +16,8 @@ words, 99th percentile ~6x). Every assistant turn is a request, in order; the cl
 - SGLang's router (`sglang-router`, `--policy cache_aware`) in front of the same servers, with
   the same shared queue sending to it.
 
-Makespan is wall-clock from the client's start to its last row (process start-ups included for
-regen and SpecForge). Busy = the servers' decoding request-seconds over slots x makespan;
+Makespan is wall-clock from the client's start to its last row (every client runs in a process of its
+own, its start-up and imports included). Busy = the servers' decoding request-seconds over slots x makespan;
 cache hit = prompt tokens the servers' prefix caches saved over all prompt tokens sent;
 delivered tok/s = the servers' output tokens over the makespan. Rounds
 alternate the order; each client gets fresh servers.
@@ -201,8 +201,17 @@ async def _shared_queue(prompts: Path, targets: list[tuple[str, int]], max_token
     return complete
 
 
+def queue_process(prompts: Path, targets: list[tuple[str, int]], max_tokens: int) -> int:
+    """The shared-queue peer in a process of its own, as regen and SpecForge run: its start and
+    imports count in its makespan as theirs do."""
+    done = subprocess.run([sys.executable, __file__, "--queue-peer", str(prompts), "--max-tokens", str(max_tokens),
+                           "--targets", *[f"{url}={n}" for url, n in targets]], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return int(done.stdout.split()[-1])
+
+
 def shared_queue(prompts: Path, urls: list[str], max_tokens: int, slots: int) -> int:
-    return asyncio.run(_shared_queue(prompts, [(u, slots) for u in urls], max_tokens))
+    return queue_process(prompts, [(u, slots) for u in urls], max_tokens)
 
 
 def router(python: str, prompts: Path, urls: list[str], max_tokens: int, slots: int, log: Path) -> int:
@@ -223,7 +232,7 @@ def router(python: str, prompts: Path, urls: list[str], max_tokens: int, slots: 
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"sglang-router did not come up: {log.read_text()[-2000:]}")
             time.sleep(0.2)
-        return asyncio.run(_shared_queue(prompts, [(url, slots * len(urls))], max_tokens))
+        return queue_process(prompts, [(url, slots * len(urls))], max_tokens)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -242,7 +251,13 @@ def main() -> None:
     parser.add_argument("--specforge", type=Path, default=SPECFORGE_MIRROR if SPECFORGE_MIRROR.exists() else None)
     parser.add_argument("--router-python", default=os.environ.get("REGEN_ROUTER_PYTHON"))
     parser.add_argument("--only", help="comma-separated clients to run (default: all available)")
+    parser.add_argument("--queue-peer", type=Path, help="run the shared-queue peer on this file (the bench starts it)")
+    parser.add_argument("--targets", nargs="*", default=[], help="URL=WORKERS of the shared-queue peer")
     args = parser.parse_args()
+    if args.queue_peer:
+        targets = [(t.rsplit("=", 1)[0], int(t.rsplit("=", 1)[1])) for t in args.targets]
+        print(asyncio.run(_shared_queue(args.queue_peer, targets, args.max_tokens)))
+        return
 
     clients = {"regen": "`regen generate --endpoints U1..U%d` (one process)" % args.servers,
                "one-shard": "the same with `--num-shards 1` (one process, one shard)",
