@@ -354,9 +354,9 @@ def test_first_steps_go_out_while_the_template_decides_what_later_steps_send(sim
         sent.set()
         return payload(self, endpoint, request)
 
-    def after_a_request_went_out(model, enable_thinking, manifest=None):
+    def after_a_request_went_out(model, enable_thinking, manifest=None, in_child=False):
         assert sent.wait(60), "no request went out while the template was being decided"
-        return probed(model, enable_thinking, manifest)
+        return probed(model, enable_thinking, manifest, in_child)
 
     monkeypatch.setattr(client.Generator, "payload", sending)
     monkeypatch.setattr(stage, "reasoning_probed", after_a_request_went_out)
@@ -369,3 +369,26 @@ def test_first_steps_go_out_while_the_template_decides_what_later_steps_send(sim
     staged = tmp_path / "dev-shm-copy"
     shutil.copytree(tiny_model, staged)
     assert stage.reasoning_recorded(cfg, Manifest(cfg.layout).read(), [str(staged)]) == (False, True)
+
+
+def test_a_served_template_that_loops_on_the_probe_ends_in_its_budget_and_sends_at_both(tmp_path, tiny_model,
+                                                                                         monkeypatch):
+    """The probe of the served template runs in a child held to preflight's template budget (a
+    thread has no render bound): a template that loops on an earlier step's reasoning passes it,
+    and the run sends reasoning at both places, as for any template that fails to render."""
+    import shutil
+    import time
+
+    from regen import generate as stage
+    from regen.preflight import template as budget
+
+    served = tmp_path / "looping-model"
+    shutil.copytree(tiny_model, served)
+    template = served / "chat_template.jinja"
+    template.write_text("{%- for message in messages if message.reasoning_content is defined %}"
+                        "{%- for i in range(100000) %}{%- for j in range(100000) %}{%- endfor %}{%- endfor %}"
+                        "{%- endfor %}" + template.read_text())
+    monkeypatch.setattr(budget, "TEMPLATE_SECONDS", 3.0)
+    started = time.monotonic()
+    assert stage.reasoning_probed(str(served), True, in_child=True) == (True, True)
+    assert time.monotonic() - started < 30

@@ -293,7 +293,7 @@ class ShardRun:
                 sent = reasoning_recorded(self.cfg, doc, [e.served_path for e in eps])
                 if not isinstance(sent, tuple):  # decided beside the first requests, which never need it
                     sent = asyncio.ensure_future(asyncio.to_thread(reasoning_probed, sent, self.cfg.enable_thinking,
-                                                                   self.manifest))
+                                                                   self.manifest, in_child=True))
                 self.gen = Generator(pool, self.cfg, self.tuning, self._sink, self._append, sent, self.guard)
                 self._report()
                 deadline = asyncio.timeout(self._time_left())
@@ -565,14 +565,24 @@ def reasoning_recorded(cfg: RunConfig, manifest: dict, served: list[str | None] 
     return model
 
 
-def reasoning_probed(model: str, enable_thinking: bool, manifest: "Manifest | None" = None) -> tuple[bool, bool]:
+def reasoning_probed(model: str, enable_thinking: bool, manifest: "Manifest | None" = None,
+                     in_child: bool = False) -> tuple[bool, bool]:
     """reasoning_recorded's answer for ``model``, by rendering its template (transformers and a
-    tokenizer: seconds); kept in ``manifest`` for the next process. A template that fails
-    (preflight's to report): sent at both."""
-    from regen.chat.render import history_reasoning_rendered, load_tokenizer, template_digest
+    tokenizer: seconds); kept in ``manifest`` for the next process. ``in_child``: in a child held
+    to preflight's template budget (a thread beside the event loop has no render bound of its
+    own, and the child's imports leave the loop's core alone). A template that fails or passes
+    its budget (preflight's to report): sent at both."""
+    from regen.chat.render import history_reasoning_of, template_digest
 
     try:
-        probe = history_reasoning_rendered(load_tokenizer(model), enable_thinking)
+        if in_child:
+            from regen.childpool import call_bounded
+            from regen.preflight.template import TEMPLATE_MEMORY_BYTES, TEMPLATE_SECONDS
+
+            probe = call_bounded("regen.chat.render:history_reasoning_of", (model, enable_thinking),
+                                 TEMPLATE_SECONDS, TEMPLATE_MEMORY_BYTES)
+        else:
+            probe = history_reasoning_of(model, enable_thinking)
     except Exception:
         return True, True
     if manifest is not None:

@@ -296,6 +296,12 @@ def history_reasoning_rendered(tokenizer, enable_thinking: bool) -> dict[str, bo
                                  {"role": "tool", "tool_call_id": "call_0", "content": "2"}], [HISTORY_PROBE_TOOL])}
 
 
+def history_reasoning_of(model_dir: str, enable_thinking: bool) -> dict[str, bool]:
+    """history_reasoning_rendered of a model folder's own tokenizer and template (a bounded
+    child's call: regen.generate.reasoning_probed)."""
+    return history_reasoning_rendered(load_tokenizer(model_dir), enable_thinking)
+
+
 def render(tokenizer, conversations: Sequence[list[dict[str, Any]]], enable_thinking: bool | None,
            tools: Sequence[list[dict] | None] | None = None) -> list[str]:
     """``enable_thinking`` None: the template's own default (SpecForge's general parser).
