@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from regen.canary import CanaryFailed, calls_not_parsed, canary, run_scope
-from support.data import TOOLS, agentic_messages, write_jsonl
+from support.data import TOOLS, agentic_messages, as_after_preflight, write_jsonl
 from support.paths import ROOT
 
 
@@ -100,17 +100,14 @@ def test_the_estimate_accounts_for_batching_and_holds_on_the_run(sim_servers, tm
     """Servers that batch (each request slower as the batch fills): the canary's estimate of
     the whole run is within 25% of the run's own time. The former estimate (one request's
     speed x slots) was the time of a server that does not slow down."""
-    from regen.generate import ShardRun, reasoning_probed
-    from regen.manifest import Manifest
+    from regen.generate import ShardRun
 
     cfg, records = sim_servers(num_servers=2, sim_tokens_per_second=300, concurrency_per_server=None,
                                extra_server_args=["--sim-batch-slowdown", "0.08", "--max-running-requests", "8"])
     estimate = canary(cfg).estimate
     assert estimate["batch_slowdown"] > 0.02, estimate
     fresh = cfg.model_copy(update={"output": str(tmp_path / "run"), "num_shards": 1})
-    # as in a DAG run, preflight has already read the template (the probe's child, seconds on a
-    # busy machine, is no part of what the canary estimates)
-    reasoning_probed(fresh.model_path, fresh.enable_thinking, Manifest(fresh.layout))
+    as_after_preflight(fresh)  # the probe's child is no part of what the canary estimates
     result = ShardRun(fresh, [(r.url, r.api_key) for r in records], 0, "m").run()
     assert result.failed == 0
     assert abs(estimate["eta_s"] - result.seconds) / result.seconds < 0.25, (estimate, result.seconds)

@@ -22,7 +22,7 @@ from regen.pipeline import run
 from regen.servers.lifecycle import launch_servers, stop_records
 from regen.servers.records import read_state
 from support.airflow import assert_clean_success, fault_config, shard_states, trigger_run, wait_run
-from support.data import read_ids, write_prompts
+from support.data import as_after_preflight, read_ids, write_prompts
 from support.engines import sim_requests_total
 from support.paths import BIN
 from support.processes import processes_with_args, wait_until
@@ -98,6 +98,7 @@ def test_a_shards_deadline_moves_with_its_pace_and_a_hung_one_fails_there_and_it
     slow, slow_records = sim_servers(num_servers=1, sim_tokens_per_second=200, concurrency_per_server=4,
                                      output=str(tmp_path / "paced"))
     slow = slow.model_copy(update={"prompts": str(write_prompts(tmp_path / "paced.jsonl", 60)), "num_shards": 1})
+    as_after_preflight(slow)  # the first rows in 5 s: no template probe before them, as in a DAG run
     with caplog.at_level(logging.INFO, "regen.generate"):
         paced = ShardRun(slow, [(r.url, r.api_key) for r in slow_records], 0, slow_records[0].model_fingerprint,
                          tuning, deadline_s=5).run()
@@ -112,6 +113,7 @@ def test_a_shards_deadline_moves_with_its_pace_and_a_hung_one_fails_there_and_it
 
     monkeypatch.setattr(generate, "SHARD_DEADLINE_FACTOR", 1.0)  # the hang met sooner: seconds, not 4x them
     hung = cfg.model_copy(update={"output": str(tmp_path / "hung")})
+    as_after_preflight(hung)
     server = records[0].pid
     came: list[str] = []
 

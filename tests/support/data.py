@@ -22,6 +22,16 @@ DOUBLING_ON_LONG_ANSWERS = ("{%- for message in messages if message.role == 'ass
                             "{%- endfor %}{%- endfor %}")
 
 
+def as_after_preflight(cfg) -> None:
+    """The template's finding on earlier reasoning in ``cfg``'s manifest, as a DAG run's preflight
+    leaves it: a shard started directly then renders nothing (the probe's child, seconds on a busy
+    machine, would delay its first rows past a test's short deadline)."""
+    from regen.generate import reasoning_probed
+    from regen.manifest import Manifest
+
+    reasoning_probed(cfg.model_path, cfg.enable_thinking, Manifest(cfg.layout))
+
+
 def turn_requests(path: Path, ids=None) -> dict[str, int]:
     """Per prompt (of ``ids``, default all): the requests it makes with regenerate_turns all,
     one per user turn."""
