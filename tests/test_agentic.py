@@ -13,6 +13,8 @@ from collections import Counter
 import pandas as pd
 import pytest
 
+from regen.layout import RunLayout
+from regen.manifest import Manifest
 from regen.prompts import Prompt, PromptError, read_prompts
 from regen.store import Journal
 from support.data import TOOLS, agentic_messages, cli, journaled, kill_when, write_jsonl
@@ -389,6 +391,50 @@ def test_a_served_template_that_loops_on_the_probe_ends_in_its_budget_and_sends_
                         "{%- for i in range(100000) %}{%- for j in range(100000) %}{%- endfor %}{%- endfor %}"
                         "{%- endfor %}" + template.read_text())
     monkeypatch.setattr(budget, "TEMPLATE_SECONDS", 3.0)
+    manifest = Manifest(RunLayout(str(tmp_path / "out")))
     started = time.monotonic()
-    assert stage.reasoning_probed(str(served), True, in_child=True) == (True, True)
+    assert stage.reasoning_probed(str(served), True, manifest, in_child=True) == (True, True)
     assert time.monotonic() - started < 30
+    assert "past its budget of 3 s" in manifest.read()["history_reasoning"]["failed"]
+    # kept: the next process (or one waiting on the first) does not spend the budget again
+    monkeypatch.setattr(budget, "TEMPLATE_SECONDS", 600.0)
+    started = time.monotonic()
+    assert stage.reasoning_probed(str(served), True, manifest, in_child=True) == (True, True)
+    assert time.monotonic() - started < 2
+
+
+def test_shard_processes_started_together_render_the_template_once(tmp_path, tiny_model, monkeypatch):
+    """Every `regen generate --shard` process of a CLI run probes the template (seconds of CPU
+    each; seven of them on a 2-core node ate the cores their first requests needed): one renders
+    it, the others wait on its lock off their event loops and take its record. Threads here, each
+    with a lock descriptor of its own, as processes have."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from regen import generate as stage
+    from regen.chat import render
+    from regen.coordination import FileLock
+
+    manifest = Manifest(RunLayout(str(tmp_path / "out")))
+    waiting, renders, all_waiting = [], [], threading.Event()
+    probe = render.history_reasoning_of
+
+    acquire = FileLock.acquire
+
+    def counted(self, blocking=True):
+        if self.path == manifest.layout.template_probe_lock:
+            waiting.append(1)
+            if len(waiting) == 4:
+                all_waiting.set()
+        acquire(self, blocking)
+
+    def rendered_once_all_wait(model, thinking):
+        renders.append(model)
+        assert all_waiting.wait(20), "the other callers never came to the lock"
+        return probe(model, thinking)
+
+    monkeypatch.setattr(FileLock, "acquire", counted)
+    monkeypatch.setattr(render, "history_reasoning_of", rendered_once_all_wait)
+    with ThreadPoolExecutor(4) as pool:
+        found = list(pool.map(lambda _: stage.reasoning_probed(str(tiny_model), True, manifest), range(4)))
+    assert found == [(False, True)] * 4 and renders == [str(tiny_model)]

@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 from regen.alerts import check_overdue
 from regen.client import Generator
 from regen.config import RunConfig
-from regen.coordination import FairShare, check_held, end_approval_hold
+from regen.coordination import FairShare, FileLock, check_held, end_approval_hold
 from regen.dispatch import ClientTuning, ServerPool, open_endpoints, scrape_metrics
 from regen.errors import ShardFailed
 from regen.files import read_json
@@ -549,49 +549,69 @@ def reasoning_recorded(cfg: RunConfig, manifest: dict, served: list[str | None] 
     same text (preflight's for the run's model, which a staged copy of it shares, or an earlier
     process's). Else the model folder whose template decides: the folder the servers say they
     serve (``served``: their model paths), else the run's ``model_path``; never a default."""
-    from regen.chat.render import template_digest
-
     if cfg.generation.history_reasoning == "never" or cfg.generation.regenerate_turns == "last":
         return False, False
     folders = {str(Path(p)) for p in served or [] if p}
     model = folders.pop() if len(folders) == 1 else None if folders else str(Path(cfg.model_path))
     if model is None or not (Path(model) / "tokenizer_config.json").is_file():
         return True, True
-    probe = manifest.get("history_reasoning") or {}
+    return _finding_for(manifest.get("history_reasoning") or {}, model, cfg.enable_thinking) or model
+
+
+def _finding_for(probe: dict, model: str, enable_thinking: bool) -> tuple[bool, bool] | None:
+    """A manifest's probe record, when it was found for this model's template and thinking mode."""
+    from regen.chat.render import template_digest
+
     same = probe.get("model_path") == model or (probe.get("template") is not None
-                                                 and probe.get("template") == template_digest(model))
-    if same and probe.get("enable_thinking") == cfg.enable_thinking:
+                                                and probe.get("template") == template_digest(model))
+    if same and probe.get("enable_thinking") == enable_thinking:
         return bool(probe.get("chat_turns")), bool(probe.get("tool_steps"))
-    return model
+    return None
 
 
 def reasoning_probed(model: str, enable_thinking: bool, manifest: "Manifest | None" = None,
                      in_child: bool = False) -> tuple[bool, bool]:
     """reasoning_recorded's answer for ``model``, by rendering its template (transformers and a
-    tokenizer: seconds); kept in ``manifest`` for the next process. ``in_child``: in a child held
-    to preflight's template budget (a thread beside the event loop has no render bound of its
-    own, and the child's imports leave the loop's core alone). A template that fails or passes
-    its budget (preflight's to report): sent at both."""
-    from regen.chat.render import history_reasoning_of, template_digest
+    tokenizer: seconds of CPU); kept in ``manifest`` for the next process, and rendered once by
+    shard processes started together (the others wait off their event loops, then read it).
+    ``in_child``: in a child held to preflight's template budget (a thread beside the event loop
+    has no render bound of its own, and the child's imports leave the loop's core alone). A
+    template that fails or passes its budget (preflight's to report): sent at both, and kept so,
+    or each waiting process would spend the budget again."""
+    if manifest is None:
+        return _found(_probed(model, enable_thinking, in_child))
+    with FileLock(manifest.layout.template_probe_lock):
+        known = _finding_for(manifest.read().get("history_reasoning") or {}, model, enable_thinking)
+        if known is not None:
+            return known
+        probe = _probed(model, enable_thinking, in_child)
+        try:
+            from regen.chat.render import template_digest
+
+            manifest.update(history_reasoning={"model_path": model, "enable_thinking": enable_thinking,
+                                               "template": template_digest(model), **probe})
+        except OSError:  # a record for the next process only
+            pass
+    return _found(probe)
+
+
+def _probed(model: str, enable_thinking: bool, in_child: bool) -> dict:
+    from regen.chat.render import history_reasoning_of
 
     try:
         if in_child:
             from regen.childpool import call_bounded
             from regen.preflight.template import TEMPLATE_MEMORY_BYTES, TEMPLATE_SECONDS
 
-            probe = call_bounded("regen.chat.render:history_reasoning_of", (model, enable_thinking),
-                                 TEMPLATE_SECONDS, TEMPLATE_MEMORY_BYTES)
-        else:
-            probe = history_reasoning_of(model, enable_thinking)
-    except Exception:
-        return True, True
-    if manifest is not None:
-        try:
-            manifest.update(history_reasoning={"model_path": model, "enable_thinking": enable_thinking,
-                                               "template": template_digest(model), **probe})
-        except OSError:  # a record for the next process only
-            pass
-    return probe["chat_turns"], probe["tool_steps"]
+            return call_bounded("regen.chat.render:history_reasoning_of", (model, enable_thinking),
+                                TEMPLATE_SECONDS, TEMPLATE_MEMORY_BYTES)
+        return history_reasoning_of(model, enable_thinking)
+    except Exception as exc:
+        return {"chat_turns": True, "tool_steps": True, "failed": f"{type(exc).__name__}: {exc}"[:500]}
+
+
+def _found(probe: dict) -> tuple[bool, bool]:
+    return bool(probe["chat_turns"]), bool(probe["tool_steps"])
 
 
 def shards_to_run(cfg: RunConfig) -> list[int]:

@@ -212,6 +212,12 @@ class RunLayout:
         return self.work / "manifest.lock"
 
     @property
+    def template_probe_lock(self) -> Path:
+        """Held while one process renders the served template's probe (regen.generate.reasoning_probed):
+        shard processes started together render it once."""
+        return self.work / "template-probe.lock"
+
+    @property
     def prompt_index(self) -> Path:
         return self.work / "prompt-index.parquet"
 
