@@ -331,6 +331,13 @@ def test_a_run_against_endpoints_sends_history_reasoning_as_the_served_models_te
     assert rows["error"].isna().all() and rows["history_reasoning"].isna().all()
 
 
+def findings_in(folder):
+    """regen.generate.template_finding in ``folder``: a test's renders, not the machine's user's."""
+    from regen.chat.render import template_digest
+
+    return lambda model, thinking: folder / f"{template_digest(model)}-{int(thinking)}.json"
+
+
 def test_first_steps_go_out_while_the_template_decides_what_later_steps_send(sim_servers, tmp_path, tiny_model,
                                                                             monkeypatch):
     """Deciding what a later step sends renders the served template with transformers (seconds,
@@ -362,6 +369,7 @@ def test_first_steps_go_out_while_the_template_decides_what_later_steps_send(sim
 
     monkeypatch.setattr(client.Generator, "payload", sending)
     monkeypatch.setattr(stage, "reasoning_probed", after_a_request_went_out)
+    monkeypatch.setattr(stage, "template_finding", findings_in(tmp_path / "findings"))  # a render of its own
     result = stage.generate(cfg, [0], endpoints=[records[0].url])
     assert result.failed == 0
     rows = pd.read_parquet(cfg.layout.data)
@@ -391,6 +399,7 @@ def test_a_served_template_that_loops_on_the_probe_ends_in_its_budget_and_sends_
                         "{%- for i in range(100000) %}{%- for j in range(100000) %}{%- endfor %}{%- endfor %}"
                         "{%- endfor %}" + template.read_text())
     monkeypatch.setattr(budget, "TEMPLATE_SECONDS", 3.0)
+    monkeypatch.setattr(stage, "template_finding", findings_in(tmp_path / "findings"))
     manifest = Manifest(RunLayout(str(tmp_path / "out")))
     started = time.monotonic()
     assert stage.reasoning_probed(str(served), True, manifest, in_child=True) == (True, True)
@@ -401,13 +410,15 @@ def test_a_served_template_that_loops_on_the_probe_ends_in_its_budget_and_sends_
     started = time.monotonic()
     assert stage.reasoning_probed(str(served), True, manifest, in_child=True) == (True, True)
     assert time.monotonic() - started < 2
+    assert not (tmp_path / "findings").exists()  # the output's record only: a busy node's timeout is not the template's
 
 
 def test_shard_processes_started_together_render_the_template_once(tmp_path, tiny_model, monkeypatch):
     """Every `regen generate --shard` process of a CLI run probes the template (seconds of CPU
     each; seven of them on a 2-core node ate the cores their first requests needed): one renders
-    it, the others wait on its lock off their event loops and take its record. Threads here, each
-    with a lock descriptor of its own, as processes have."""
+    it, the others wait on its lock off their event loops and take its record; a later run on a
+    new output takes this user's finding for the same template text. Threads here, each with a
+    lock descriptor of its own, as processes have."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -434,7 +445,12 @@ def test_shard_processes_started_together_render_the_template_once(tmp_path, tin
         return probe(model, thinking)
 
     monkeypatch.setattr(FileLock, "acquire", counted)
+    monkeypatch.setattr(stage, "template_finding", findings_in(tmp_path / "findings"))
     monkeypatch.setattr(render, "history_reasoning_of", rendered_once_all_wait)
     with ThreadPoolExecutor(4) as pool:
         found = list(pool.map(lambda _: stage.reasoning_probed(str(tiny_model), True, manifest), range(4)))
     assert found == [(False, True)] * 4 and renders == [str(tiny_model)]
+    # a later run on another output of this node: the user's finding for this template text
+    later = Manifest(RunLayout(str(tmp_path / "later")))
+    assert stage.reasoning_probed(str(tiny_model), True, later) == (False, True) and len(renders) == 1
+    assert later.read()["history_reasoning"]["tool_steps"]

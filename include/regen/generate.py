@@ -29,7 +29,7 @@ from regen.config import RunConfig
 from regen.coordination import FairShare, FileLock, check_held, end_approval_hold
 from regen.dispatch import ClientTuning, ServerPool, open_endpoints, scrape_metrics
 from regen.errors import ShardFailed
-from regen.files import read_json
+from regen.files import atomic_write_json, read_json
 from regen.layout import shard_key
 from regen.manifest import Manifest, ShardPrompts, model_fingerprint, prompt_hash, settings_hash, template_kwargs
 from regen.placement import servers_for
@@ -596,18 +596,46 @@ def reasoning_probed(model: str, enable_thinking: bool, manifest: "Manifest | No
 
 
 def _probed(model: str, enable_thinking: bool, in_child: bool) -> dict:
+    """The probe's record: this user's earlier finding for a template of the same text (a CLI run
+    on a new output renders nothing the node has rendered before), else a render. Only a render
+    that succeeded is kept there: a budget passed under a busy node's load would last for good."""
     from regen.chat.render import history_reasoning_of
 
+    known = template_finding(model, enable_thinking)
+    record = read_json(known, 4096) if known else None
+    if isinstance(record, dict) and all(isinstance(record.get(k), bool) for k in ("chat_turns", "tool_steps")):
+        return record
     try:
         if in_child:
             from regen.childpool import call_bounded
             from regen.preflight.template import TEMPLATE_MEMORY_BYTES, TEMPLATE_SECONDS
 
-            return call_bounded("regen.chat.render:history_reasoning_of", (model, enable_thinking),
-                                TEMPLATE_SECONDS, TEMPLATE_MEMORY_BYTES)
-        return history_reasoning_of(model, enable_thinking)
+            record = call_bounded("regen.chat.render:history_reasoning_of", (model, enable_thinking),
+                                  TEMPLATE_SECONDS, TEMPLATE_MEMORY_BYTES)
+        else:
+            record = history_reasoning_of(model, enable_thinking)
     except Exception as exc:
         return {"chat_turns": True, "tool_steps": True, "failed": f"{type(exc).__name__}: {exc}"[:500]}
+    if known:
+        with contextlib.suppress(OSError):
+            known.parent.mkdir(mode=0o700, exist_ok=True)
+            atomic_write_json(known, record, private=True, durable=False)
+    return record
+
+
+def template_finding(model: str, enable_thinking: bool) -> Path | None:
+    """Where this user keeps the probe's finding for ``model``'s template text, in the owner-only
+    folder (regen.procs.private_dir) that no output, temp folder or other user can write; None
+    when the folder has no template or that folder is not this user's alone."""
+    from regen.chat.render import template_digest
+    from regen.errors import RegenError
+    from regen.procs import private_dir
+
+    digest = template_digest(model)
+    try:
+        return private_dir() / "template-findings" / f"{digest}-{int(enable_thinking)}.json" if digest else None
+    except (RegenError, OSError):
+        return None
 
 
 def _found(probe: dict) -> tuple[bool, bool]:
