@@ -331,13 +331,6 @@ def test_a_run_against_endpoints_sends_history_reasoning_as_the_served_models_te
     assert rows["error"].isna().all() and rows["history_reasoning"].isna().all()
 
 
-def findings_in(folder):
-    """regen.generate.template_finding in ``folder``: a test's renders, not the machine's user's."""
-    from regen.chat.render import template_digest
-
-    return lambda model, thinking: folder / f"{template_digest(model)}-{int(thinking)}.json"
-
-
 def test_first_steps_go_out_while_the_template_decides_what_later_steps_send(sim_servers, tmp_path, tiny_model,
                                                                             monkeypatch):
     """Deciding what a later step sends renders the served template with transformers (seconds,
@@ -349,7 +342,6 @@ def test_first_steps_go_out_while_the_template_decides_what_later_steps_send(sim
 
     from regen import client, generate as stage
     from regen.chat.render import template_digest
-    from regen.manifest import Manifest
 
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"loop{i}", "tools": TOOLS,
                                                   "messages": agentic_messages(f"Loop {i}", [["get_weather"], ["get_time"]])}
@@ -369,7 +361,7 @@ def test_first_steps_go_out_while_the_template_decides_what_later_steps_send(sim
 
     monkeypatch.setattr(client.Generator, "payload", sending)
     monkeypatch.setattr(stage, "reasoning_probed", after_a_request_went_out)
-    monkeypatch.setattr(stage, "template_finding", findings_in(tmp_path / "findings"))  # a render of its own
+    monkeypatch.setattr(stage, "findings_folder", lambda: tmp_path / "findings")  # a render of its own
     result = stage.generate(cfg, [0], endpoints=[records[0].url])
     assert result.failed == 0
     rows = pd.read_parquet(cfg.layout.data)
@@ -399,7 +391,7 @@ def test_a_served_template_that_loops_on_the_probe_ends_in_its_budget_and_sends_
                         "{%- for i in range(100000) %}{%- for j in range(100000) %}{%- endfor %}{%- endfor %}"
                         "{%- endfor %}" + template.read_text())
     monkeypatch.setattr(budget, "TEMPLATE_SECONDS", 3.0)
-    monkeypatch.setattr(stage, "template_finding", findings_in(tmp_path / "findings"))
+    monkeypatch.setattr(stage, "findings_folder", lambda: tmp_path / "findings")
     manifest = Manifest(RunLayout(str(tmp_path / "out")))
     started = time.monotonic()
     assert stage.reasoning_probed(str(served), True, manifest, in_child=True) == (True, True)
@@ -445,7 +437,7 @@ def test_shard_processes_started_together_render_the_template_once(tmp_path, tin
         return probe(model, thinking)
 
     monkeypatch.setattr(FileLock, "acquire", counted)
-    monkeypatch.setattr(stage, "template_finding", findings_in(tmp_path / "findings"))
+    monkeypatch.setattr(stage, "findings_folder", lambda: tmp_path / "findings")
     monkeypatch.setattr(render, "history_reasoning_of", rendered_once_all_wait)
     with ThreadPoolExecutor(4) as pool:
         found = list(pool.map(lambda _: stage.reasoning_probed(str(tiny_model), True, manifest), range(4)))

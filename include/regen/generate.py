@@ -624,16 +624,22 @@ def _probed(model: str, enable_thinking: bool, in_child: bool) -> dict:
 
 
 def template_finding(model: str, enable_thinking: bool) -> Path | None:
-    """Where this user keeps the probe's finding for ``model``'s template text, in the owner-only
-    folder (regen.procs.private_dir) that no output, temp folder or other user can write; None
-    when the folder has no template or that folder is not this user's alone."""
+    """Where this user keeps the probe's finding for ``model``'s template text; None when the
+    folder has no template or the user has no findings folder."""
     from regen.chat.render import template_digest
+
+    digest, folder = template_digest(model), findings_folder()
+    return folder / f"{digest}-{int(enable_thinking)}.json" if digest and folder else None
+
+
+def findings_folder() -> Path | None:
+    """In the owner-only folder (regen.procs.private_dir) that no output, temp folder or other
+    user can write; None when that folder is not this user's alone."""
     from regen.errors import RegenError
     from regen.procs import private_dir
 
-    digest = template_digest(model)
     try:
-        return private_dir() / "template-findings" / f"{digest}-{int(enable_thinking)}.json" if digest else None
+        return private_dir() / "template-findings"
     except (RegenError, OSError):
         return None
 
