@@ -411,6 +411,7 @@ def test_shard_processes_started_together_render_the_template_once(tmp_path, tin
     it, the others wait on its lock off their event loops and take its record; a later run on a
     new output takes this user's finding for the same template text. Threads here, each with a
     lock descriptor of its own, as processes have."""
+    import shutil
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -446,3 +447,12 @@ def test_shard_processes_started_together_render_the_template_once(tmp_path, tin
     later = Manifest(RunLayout(str(tmp_path / "later")))
     assert stage.reasoning_probed(str(tiny_model), True, later) == (False, True) and len(renders) == 1
     assert later.read()["history_reasoning"]["tool_steps"]
+    # a template edited in place between two runs on one output is probed again, not taken by its path
+    edited = tmp_path / "edited-model"
+    shutil.copytree(tiny_model, edited)
+    again = Manifest(RunLayout(str(tmp_path / "again")))
+    stage.reasoning_probed(str(edited), True, again)
+    assert again.read()["history_reasoning"]["model_path"] == str(edited) and len(renders) == 1
+    (edited / "chat_template.jinja").write_text((edited / "chat_template.jinja").read_text() + "{#- edited #}")
+    stage.reasoning_probed(str(edited), True, again)
+    assert len(renders) == 2

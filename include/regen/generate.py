@@ -559,11 +559,12 @@ def reasoning_recorded(cfg: RunConfig, manifest: dict, served: list[str | None] 
 
 
 def _finding_for(probe: dict, model: str, enable_thinking: bool) -> tuple[bool, bool] | None:
-    """A manifest's probe record, when it was found for this model's template and thinking mode."""
+    """A manifest's probe record, when it was found for this model's template text (by its path
+    only for a folder without one: a template edited in place is probed again) and thinking mode."""
     from regen.chat.render import template_digest
 
-    same = probe.get("model_path") == model or (probe.get("template") is not None
-                                                and probe.get("template") == template_digest(model))
+    digest = template_digest(model)
+    same = probe.get("template") == digest if digest is not None else probe.get("model_path") == model
     if same and probe.get("enable_thinking") == enable_thinking:
         return bool(probe.get("chat_turns")), bool(probe.get("tool_steps"))
     return None
