@@ -98,6 +98,7 @@ def test_the_status_and_regen_summary_say_what_failed_and_what_to_do(sim_servers
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # seven runs at once: 371 s on a loaded CI machine, whose held run then ran out of 300 s
 def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, make_config, tmp_path):
     api = httpx.Client(base_url=f"{airflow['base']}/api/v2", headers={"Authorization": f"Bearer {airflow['token']}"},
                        timeout=30)
@@ -115,13 +116,15 @@ def test_the_run_page_shows_shards_and_the_verdict_and_needs_a_token(airflow, ma
     # A run held under way while its hold file exists: 12 of its prompts are retried until then.
     held, hold = fault_config(make_config, tmp_path, "stopped")
     held = held.model_copy(update={"generation": held.generation.model_copy(update={"max_attempts": 10_000})})
-    configs = {"regenerate_dataset": cfg,
+    # The held run is triggered first: the test waits on it first, and on a loaded CI machine the
+    # last of seven runs triggered once took more than 300 s to get a shard under way.
+    configs = {"regenerate_ui_stopped": held, "regenerate_dataset": cfg,
                "regenerate_ui_xss": make_config(output=str(evil), num_shards=1, sim_tokens_per_second=2000),
                "regenerate_ui_preflight": make_config(output=str(tmp_path / "no-prompts"),
                                                       prompts=str(tmp_path / "missing.jsonl")),
                "regenerate_ui_thinking_off": make_config(output=str(tmp_path / "thinking-off"), sim_ignore_thinking=True,
                                                          sim_tokens_per_second=2000),
-               "regenerate_ui_faults": faulty, "regenerate_ui_lost": lost, "regenerate_ui_stopped": held}
+               "regenerate_ui_faults": faulty, "regenerate_ui_lost": lost}
     try:
         runs = trigger_runs(api, configs, airflow["config_dir"])
         _check_run_pages(api, airflow, runs, configs, hold)
@@ -147,7 +150,7 @@ def _check_run_pages(api, airflow, runs: dict[str, str], configs: dict, hold: Pa
 
     # A run a person marks failed mid-shard (the UI's PATCH): it ends failed, not green by
     # Airflow's teardown rule, its servers stopped and its unfinished shards shown stopped.
-    wait_until(shards_under_way, 300, "the held run's shards under way")
+    wait_until(shards_under_way, 600, "the held run's shards under way")
     marked = api.patch(f"/dags/regenerate_ui_stopped/dagRuns/{stopped}", json={"state": "failed"})
     assert marked.status_code == 200, marked.text
 
