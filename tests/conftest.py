@@ -30,6 +30,10 @@ from support.airflow import OTHER_DAG, SHARD_POOL, airflow_standalone  # noqa: E
 from regen.servers.probe import free_port_base  # noqa: E402
 
 
+def pytest_configure(config):
+    config.pluginmanager.import_plugin("support.timeouts")
+
+
 def pytest_addoption(parser):
     parser.addini("suite_budget_s", "the whole suite's wall-time budget in seconds: a run past it fails")
 

@@ -43,6 +43,7 @@ def vllm_config(make_config, monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # two vLLM runs: 564-690 s on loaded CI machines
 def test_vllm_end_to_end_thinking_on_passes_and_off_fails(airflow_db, vllm_config, monkeypatch, tmp_path,
                                                           deployed_dag):
     from support.airflow import _conf, _states, assert_no_server_left, asset_events

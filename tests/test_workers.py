@@ -1,5 +1,5 @@
 """The suite runs on pytest-xdist workers (Makefile: TEST_WORKERS): what two of them allocate side by
-side never meets."""
+side never meets, and a test that runs Airflow's tasks in its process keeps its time limit."""
 
 import json
 import os
@@ -55,3 +55,42 @@ def test_two_workers_never_share_a_port_a_home_or_a_scratch_folder():
     assert seen[0]["home"] != seen[1]["home"] and seen[0]["var"] != seen[1]["var"]
     slices = sorted(port_range(f"gw{i}", 8) for i in range(8))
     assert all(a[1] < b[0] for a, b in zip(slices, slices[1:])) and PORTS[0] <= slices[0][0] and slices[-1][1] <= PORTS[1]
+
+
+# Two tests that end a task as `dag.test()` does (its execution_timeout's timer set, then cleared),
+# then overrun their 5 s limit: one without an in-process Airflow fixture, one with.
+OVERRUNS = """
+import time, pytest
+
+@pytest.fixture
+def airflow_db():
+    return None
+
+def a_task_ran():
+    from airflow.sdk.execution_time.timeout import TimeoutPosix
+    with TimeoutPosix(600):
+        pass
+
+@pytest.mark.timeout(5)
+def test_overruns_without_the_fixture():
+    a_task_ran()
+    time.sleep(8)
+
+@pytest.mark.timeout(5)
+def test_overruns_with_airflow_in_process(airflow_db):
+    a_task_ran()
+    time.sleep(60)
+"""
+
+
+def test_a_test_running_airflows_tasks_in_process_still_ends_at_its_limit(tmp_path):
+    """Without support.timeouts the first overrun passes (Airflow's timer cancelled
+    pytest-timeout's); with it the second is ended at its limit, its stacks printed (about 20 s)."""
+    (tmp_path / "test_overruns.py").write_text(OVERRUNS)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "support.timeouts", "-p", "no:cacheprovider",
+                           "-v", "test_overruns.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+    out = done.stdout + done.stderr
+    assert "test_overruns_without_the_fixture PASSED" in out, out[-3000:]
+    assert done.returncode != 0 and "Timeout" in out and "time.sleep(60)" in out, out[-3000:]
+    assert "test_overruns_with_airflow_in_process PASSED" not in out
