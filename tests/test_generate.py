@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
+import sys
 
 import httpx
 import pandas as pd
@@ -206,7 +208,8 @@ def test_sigkill_at_half_then_rerun_gives_every_id_once_and_resends_nothing(sim_
 
 def test_a_trial_on_the_first_n_prompts_writes_its_own_folder_and_resumes(sim_servers, tmp_path):
     """`--limit N`: the first N prompts the file can send, in OUTPUT/trials/first-N; the full dataset's
-    folder gets nothing, and a rerun of the trial sends nothing."""
+    folder gets nothing, and a rerun of the trial sends nothing. The command never loads pandas
+    (pyarrow would, for 0.25 s of CPU per shard process: regen.cli.hide_pandas)."""
     from support.data import write_prompts
 
     cfg, records = sim_servers(num_servers=1)
@@ -220,8 +223,10 @@ def test_a_trial_on_the_first_n_prompts_writes_its_own_folder_and_resumes(sim_se
     out = tmp_path / "ds"
     argv = [str(BIN / "regen"), "generate", "--prompts", str(prompts), "--output", str(out), "--limit", "7",
             "--endpoints", records[0].url, "--api-key", records[0].api_key, "--num-shards", "2"]
-    first = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    first = subprocess.run([sys.executable, "-X", "importtime", *argv], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
+    loaded = re.findall(r"^import time: .*\| +([\w.]+)$", first.stderr, re.M)
+    assert "pyarrow.lib" in loaded and not [m for m in loaded if m.startswith("pandas.")]
     df = pd.read_parquet(out / "trials" / "first-7" / "data")
     assert sorted(df["id"]) == sorted(f"p{i}" for i in range(7)) and df["id"].is_unique
     assert not (out / "data").exists()
@@ -565,3 +570,41 @@ def test_a_shard_whose_rows_are_all_in_is_published_while_the_others_still_gener
     result = run.run()
     assert len(seen) == 1 and sum(s.total for s in result.shards) == 80
     assert sorted(pd.read_parquet(out / "data")["id"]) == sorted(read_ids(subset(tmp_path, 80)))
+
+
+def test_a_shards_file_is_written_as_its_rows_come_in_and_a_resume_adds_the_earlier_rows(
+        sim_servers, tmp_path, monkeypatch):
+    """Rows that settle their id go into the shard's file as they come in (STAGE_ROWS at a time,
+    here 4): publishing a shard whose rows all came in this attempt reads nothing back (it closes
+    and renames the file). A resume's publish adds the rows earlier attempts journaled, unchanged."""
+    import pyarrow.parquet as pq
+
+    import regen.store
+
+    monkeypatch.setattr(regen.store, "STAGE_ROWS", 4, raising=False)
+    read_back: list = []
+    rows_of = ShardStore._rows
+    monkeypatch.setattr(ShardStore, "_rows", lambda self, columns=None: read_back.append(columns) or rows_of(self, columns))
+    cfg, records = sim_servers(num_servers=1)
+    prompts = subset(tmp_path, 30)
+    out = tmp_path / "ds"
+    shard_file = out / "data" / f"{shard_name(0, 1)}.parquet"
+    assert generate_shard(prompts, out, endpoints(records)).shards[0].done == 30
+    assert read_back == []
+    assert pq.ParquetFile(shard_file).metadata.num_row_groups == 8  # written 4 rows at a time, 2 at the end
+    first = {row["id"]: row for row in pq.read_table(shard_file).to_pylist()}
+    assert sorted(first) == sorted(read_ids(prompts))
+
+    # An earlier attempt's rows for ten ids in the journal, nothing published: the resume sends the other 20.
+    carried = sorted(first)[:10]
+    journal = out / "work" / "journal" / f"{shard_name(0, 1)}.jsonl"
+    journal.write_text("".join(json.dumps(first[i]) + "\n" for i in carried))
+    shard_file.unlink()
+    sent = sim_requests_total(records[0].url)
+    assert generate_shard(prompts, out, endpoints(records)).shards[0].done == 20
+    assert sim_requests_total(records[0].url) - sent == sum(
+        n for i, n in turn_requests(prompts).items() if i not in carried)
+    assert read_back  # the journal's ten, read back once the twenty were in
+    resumed = {row["id"]: row for row in pq.read_table(shard_file).to_pylist()}
+    assert sorted(resumed) == sorted(first) and all(resumed[i] == first[i] for i in carried)
+    assert not journal.exists() and not list(journal.parent.glob(".*.tmp"))  # the staged file became the shard's

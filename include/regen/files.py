@@ -79,10 +79,15 @@ def atomic_path(path: Path, private: bool = False, work_dir: Path | None = None,
     path.parent.mkdir(parents=True, exist_ok=True)
     with scratch_file(Path(work_dir) if work_dir is not None else path.parent, path.name, private) as tmp:
         yield tmp
-        if durable:
-            with open(tmp, "rb") as fh:
-                os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        install(tmp, path, durable)
+
+
+def install(tmp: Path, path: Path, durable: bool = True) -> None:
+    """A complete file at ``tmp`` renamed over ``path`` (same filesystem), flushed first and after."""
+    if durable:
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+    os.replace(tmp, path)
     if durable:
         fsync_dir(path.parent)
 

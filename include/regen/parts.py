@@ -42,7 +42,7 @@ from regen.layout import RunLayout
 from regen.machine import node_name
 from regen.objectstore import META, ObjectStore, transient_errors
 from regen.rows import ROW_SCHEMA
-from regen.store import Journal, ShardStore
+from regen.store import Journal, ShardStore, settles_its_id
 
 log = logging.getLogger("regen.parts")
 READ_THREADS = 8  # parts read at once
@@ -408,7 +408,7 @@ class BucketShardStore(ShardStore):
     def appended(self, row: dict) -> None:
         """A row the journal now holds: sealed with the next part once it settles its id."""
         self._check_sealing()
-        if row.get("partial") or (row.get("error") is not None and row.get("retryable", False)):
+        if not settles_its_id(row):
             return
         self._unsealed[row["id"]] = row
         if self._oldest is None:
