@@ -362,7 +362,7 @@ class ShardStore:
                 if turns is not None:
                     turns.setdefault(head["id"], []).append(head["at"])
                 continue
-            settles = head["error"] is None or not head["retryable"]
+            settles = settles_its_id(head)
             if settles and turns is not None:
                 turns.pop(head["id"], None)
             if head["id"] in sealed:
